@@ -1,0 +1,340 @@
+"""y = x @ W.T straight from repacked GGUF blocks, for one token (decode) or many (prompts).
+
+Every output element is defined as a fixed sequence of float32 operations over the row's
+blocks in order (integer block dot products are exact), so any tiling, token count or
+thread split gives the same bits: a token's result never depends on its batch.
+
+Per-element recipes (isum: exact int32 dot of stored weight bytes with activation bytes;
+dx/xs/sx: activation block scale, integer sum, scaled sum; bsum: 16-wide activation sums):
+  Q4_0/Q5_0/Q8_0/IQ4_NL  acc += f32(isum - off*xs) * (d*dx)       off = 8/16/128/128
+  Q4_1/Q5_1              acc += f32(isum) * (d*dx) + m*sx
+  Q4_K/Q5_K/Q2_K         acc += (d*dx)*f32(sum_j sc_j*isum_j) - (dmin*dx)*f32(sum_j mn_j*bsum_j)
+  Q6_K/Q3_K/IQ4_XS       acc += (d*dx)*f32(sum_j sc_j*isum_j - off*sum_j sc_j*bsum_j)  off = 32/4/128
+  F32/F16/BF16           acc += w_k * x_k for k ascending
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from . import packing as P
+from .actquant import quantize_q8_32, quantize_q8_256
+from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
+                   vf_store, vf_sub, vf_zero, vi_add, vi_load, vi_load_i8, vi_mul, vi_splat,
+                   vi_store, vi_sub, vi_zero)
+from .unpack import dot4, dot8, unpack_chunk
+
+TOKENS_PER_PASS = 64  # tokens that share one unpacking of a weight chunk
+
+
+# ----------------------------------------------------------------------------- 32-wide blocks
+
+def block_scales(w, i):
+    """(d, m) vectors of block-tile ``i`` (m is zero for formats without a min)."""
+
+
+@overload(block_scales, inline="always")
+def _ol_block_scales(w, i):
+    if "m" in getattr(w, "fields", ()):
+        return lambda w, i: (vf_load_f16(w.d, i * 32), vf_load_f16(w.m, i * 32))
+    return lambda w, i: (vf_load_f16(w.d, i * 32), vf_zero())
+
+
+def block_term(w, isum, s, dx, xs, sx):
+    """The float contribution of one 32-wide block to 16 outputs."""
+
+
+@overload(block_term, inline="always")
+def _ol_block_term(w, isum, s, dx, xs, sx):
+    cls = w.instance_class
+    if cls in (P.PackedQ4_1, P.PackedQ5_1):
+        def term_min(w, isum, s, dx, xs, sx):
+            return vf_add(vf_mul(vf_from_vi(isum), vf_mul(s[0], vf_splat(dx))),
+                          vf_mul(s[1], vf_splat(sx)))
+        return term_min
+    off = {P.PackedQ4_0: 8, P.PackedQ5_0: 16, P.PackedQ8_0: 128, P.PackedIQ4_NL: 128}[cls]
+
+    def term_offset(w, isum, s, dx, xs, sx):
+        return vf_mul(vf_from_vi(vi_sub(isum, vi_splat(off * xs))), vf_mul(s[0], vf_splat(dx)))
+    return term_offset
+
+
+@njit(parallel=True, cache=True)
+def mm_blocks32(w, xq, dx, xs, sx, out):
+    """out[t, :] = x[t] @ W.T for a 32-block format (out zeroed, width a multiple of 16)."""
+    n, K = xq.shape
+    nb = K // 32
+    Np = out.shape[1]
+    for tile in prange(Np // 16):
+        for t0 in range(0, n, TOKENS_PER_PASS):
+            t1 = min(n, t0 + TOKENS_PER_PASS)
+            for b in range(nb):
+                i = tile * nb + b
+                v = unpack_chunk(w, i)
+                s = block_scales(w, i)
+                for t in range(t0, t1):
+                    isum = dot8(v, xq, t * K + b * 32)
+                    oo = (t * Np + tile * 16) * 4
+                    term = block_term(w, isum, s, dx[t, b], xs[t, b], sx[t, b])
+                    vf_store(out, oo, vf_add(vf_load(out, oo), term))
+
+
+# ----------------------------------------------------------------------------- 256-wide superblocks
+
+def chunk_part(w, v, scb, xq, xo):
+    """Scaled integer sum of one 32-element chunk: sum over its sub-blocks of sc * isum."""
+
+
+@overload(chunk_part, inline="always")
+def _ol_chunk_part(w, v, scb, xq, xo):
+    if w.instance_class in (P.PackedQ2_K, P.PackedQ3_K, P.PackedQ6_K):
+        def part16(w, v, scb, xq, xo):  # two 16-element sub-blocks per chunk
+            lo = dot4(v[0], v[1], v[2], v[3], xq, xo)
+            hi = dot4(v[4], v[5], v[6], v[7], xq, xo + 16)
+            return vi_add(vi_mul(lo, vi_load_i8(w.sc, scb)), vi_mul(hi, vi_load_i8(w.sc, scb + 16)))
+        return part16
+
+    def part32(w, v, scb, xq, xo):
+        return vi_mul(dot8(v, xq, xo), vi_load_i8(w.sc, scb))
+    return part32
+
+
+def sub_scale_offset(w):
+    """Byte offset step between consecutive chunks' scale vectors (16 rows x sub-blocks/chunk)."""
+
+
+@overload(sub_scale_offset, inline="always")
+def _ol_sub_scale_offset(w):
+    step = 32 if w.instance_class in (P.PackedQ2_K, P.PackedQ3_K, P.PackedQ6_K) else 16
+    return lambda w: step
+
+
+@njit(inline="always")
+def _weighted_bsums(scales, so, bsum, t, j0, n_sub):
+    """sum over sub-blocks j of scales_j (16 lanes) * activation sum of sub-block j."""
+    acc = vi_zero()
+    if n_sub == 16:
+        for j in range(16):
+            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), vi_splat(bsum[t, j0 + j])))
+    else:
+        for j in range(8):
+            s32 = bsum[t, j0 + 2 * j] + bsum[t, j0 + 2 * j + 1]
+            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), vi_splat(s32)))
+    return acc
+
+
+def super_term(w, isum, sbi, dx, bsum, t, j0):
+    """The float contribution of one superblock-tile to 16 outputs."""
+
+
+@overload(super_term, inline="always")
+def _ol_super_term(w, isum, sbi, dx, bsum, t, j0):
+    cls = w.instance_class
+    if cls in (P.PackedQ2_K, P.PackedQ4_K, P.PackedQ5_K):
+        n_sub = 16 if cls is P.PackedQ2_K else 8
+
+        def term_min(w, isum, sbi, dx, bsum, t, j0):
+            msum = _weighted_bsums(w.mn, sbi * n_sub * 16, bsum, t, j0, n_sub)
+            dxv = vf_splat(dx)
+            return vf_sub(vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), dxv), vf_from_vi(isum)),
+                          vf_mul(vf_mul(vf_load_f16(w.dmin, sbi * 32), dxv), vf_from_vi(msum)))
+        return term_min
+    off = {P.PackedQ6_K: 32, P.PackedQ3_K: 4, P.PackedIQ4_XS: 128}[cls]
+    n_sub = 8 if cls is P.PackedIQ4_XS else 16
+
+    def term_offset(w, isum, sbi, dx, bsum, t, j0):
+        osum = _weighted_bsums(w.sc, sbi * n_sub * 16, bsum, t, j0, n_sub)
+        total = vi_sub(isum, vi_mul(osum, vi_splat(off)))
+        return vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), vf_splat(dx)), vf_from_vi(total))
+    return term_offset
+
+
+@njit(parallel=True, cache=True)
+def mm_superblocks(w, xq, dx, bsum, out):
+    """out[t, :] = x[t] @ W.T for a 256-superblock format (out zeroed)."""
+    n, K = xq.shape
+    nsb = K // 256
+    Np = out.shape[1]
+    step = sub_scale_offset(w)
+    for tile in prange(Np // 16):
+        iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
+        for t0 in range(0, n, TOKENS_PER_PASS):
+            t1 = min(n, t0 + TOKENS_PER_PASS)
+            for sb in range(nsb):
+                sbi = tile * nsb + sb
+                for c in range(8):
+                    v = unpack_chunk(w, sbi * 8 + c)
+                    scb = sbi * 8 * step + c * step
+                    for t in range(t0, t1):
+                        part = chunk_part(w, v, scb, xq, t * K + sb * 256 + c * 32)
+                        io = (t - t0) * 64
+                        if c == 0:
+                            vi_store(iacc, io, part)
+                        else:
+                            vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
+                for t in range(t0, t1):
+                    term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi, dx[t, sb], bsum, t, sb * 16)
+                    oo = (t * Np + tile * 16) * 4
+                    vf_store(out, oo, vf_add(vf_load(out, oo), term))
+
+
+# ----------------------------------------------------------------------------- float weights
+
+def load_row_values(w, o):
+    """16 weights (one per row) at element offset ``o`` as float32."""
+
+
+@overload(load_row_values, inline="always")
+def _ol_load_row_values(w, o):
+    cls = w.instance_class
+    if cls is P.PackedF32:
+        return lambda w, o: vf_load(w.w, o * 4)
+    if cls is P.PackedF16:
+        return lambda w, o: vf_load_f16(w.w, o * 2)
+    return lambda w, o: vf_load_bf16(w.w, o * 2)
+
+
+@njit(parallel=True, cache=True)
+def mm_float(w, x, out):
+    """out[t, :] = x[t] @ W.T for float weights; each output sums k in ascending order."""
+    n, K = x.shape
+    Np = out.shape[1]
+    for tile in prange(Np // 16):
+        base = tile * K * 16
+        t = 0
+        while t + 4 <= n:  # four tokens share each weight load
+            a0 = vf_zero()
+            a1 = vf_zero()
+            a2 = vf_zero()
+            a3 = vf_zero()
+            for k in range(K):
+                wv = load_row_values(w, base + k * 16)
+                a0 = vf_add(a0, vf_mul(wv, vf_splat(x[t, k])))
+                a1 = vf_add(a1, vf_mul(wv, vf_splat(x[t + 1, k])))
+                a2 = vf_add(a2, vf_mul(wv, vf_splat(x[t + 2, k])))
+                a3 = vf_add(a3, vf_mul(wv, vf_splat(x[t + 3, k])))
+            vf_store(out, (t * Np + tile * 16) * 4, a0)
+            vf_store(out, ((t + 1) * Np + tile * 16) * 4, a1)
+            vf_store(out, ((t + 2) * Np + tile * 16) * 4, a2)
+            vf_store(out, ((t + 3) * Np + tile * 16) * 4, a3)
+            t += 4
+        while t < n:
+            a0 = vf_zero()
+            for k in range(K):
+                a0 = vf_add(a0, vf_mul(load_row_values(w, base + k * 16), vf_splat(x[t, k])))
+            vf_store(out, (t * Np + tile * 16) * 4, a0)
+            t += 1
+
+
+# ----------------------------------------------------------------------------- Python API
+
+@dataclass(frozen=True)
+class QuantActivations:
+    """Activations quantized once and shared by every matmul that reads them."""
+    x: np.ndarray            # float32 (n, K), kept for float weights
+    q32: tuple | None        # (xq, dx, xs, sx) for 32-block formats
+    q256: tuple | None       # (xq, dx, bsum) for superblock formats
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A repacked weight matrix W of shape (N, K)."""
+    type_name: str
+    N: int
+    K: int
+    packed: tuple
+
+    @property
+    def padded_rows(self) -> int:
+        return -(-self.N // P.ROWS) * P.ROWS
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.packed)
+
+
+def pack(type_name: str, raw: np.ndarray, N: int, K: int) -> Weight:
+    """Repack GGUF tensor bytes (N rows of K elements) for the kernels.
+
+    Args:
+        type_name: GGML type name.
+        raw: uint8 bytes of the tensor.
+        N, K: rows and row length.
+    Returns:
+        A Weight.
+    """
+    return Weight(type_name, N, K, P.pack_weight(type_name, raw, N, K))
+
+
+def quantize(x: np.ndarray, need32: bool = True, need256: bool = False) -> QuantActivations:
+    """Quantize activations for the weight families that will read them.
+
+    Args:
+        x: float32 (n, K).
+        need32: produce 32-wide blocks (for Q4_0..Q8_0, IQ4_NL).
+        need256: produce 256-wide blocks (for K-quants, IQ4_XS); K must be a multiple of 256.
+    Returns:
+        QuantActivations.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, K = x.shape
+    q32 = q256 = None
+    if need32:
+        xq = np.empty((n, K), np.int8)
+        dx = np.empty((n, K // 32), np.float32)
+        xs = np.empty((n, K // 32), np.int32)
+        sx = np.empty((n, K // 32), np.float32)
+        quantize_q8_32(x, xq, dx, xs, sx)
+        q32 = (xq, dx, xs, sx)
+    if need256:
+        xq = np.empty((n, K), np.int8)
+        dx = np.empty((n, K // 256), np.float32)
+        bsum = np.empty((n, K // 16), np.int32)
+        quantize_q8_256(x, xq, dx, bsum)
+        q256 = (xq, dx, bsum)
+    return QuantActivations(x, q32, q256)
+
+
+def needs(weight: Weight) -> str:
+    """Which activation form a weight reads: 'float', 'q32' or 'q256'."""
+    if weight.type_name in P.FLOAT_FORMATS:
+        return "float"
+    return "q256" if weight.type_name in P.SUPERBLOCK_FORMATS else "q32"
+
+
+def matmul_into(weight: Weight, act: QuantActivations, out: np.ndarray) -> None:
+    """out[:, :] = act.x @ W.T with ``out`` float32 (n, padded_rows), zero-filled here."""
+    out.fill(0.0)
+    kind = needs(weight)
+    if kind == "float":
+        mm_float(weight.packed, act.x, out)
+    elif kind == "q32":
+        xq, dx, xs, sx = act.q32
+        mm_blocks32(weight.packed, xq, dx, xs, sx, out)
+    else:
+        xq, dx, bsum = act.q256
+        mm_superblocks(weight.packed, xq, dx, bsum, out)
+
+
+def matmul(weight: Weight, x: np.ndarray | QuantActivations) -> np.ndarray:
+    """y = x @ W.T.
+
+    Args:
+        weight: a packed Weight (N, K).
+        x: float32 (n, K) or activations already quantized for this weight.
+    Returns:
+        float32 (n, N).
+    """
+    if not isinstance(x, QuantActivations):
+        kind = needs(weight)
+        x = quantize(x, need32=(kind == "q32"), need256=(kind == "q256"))
+    n = x.x.shape[0]
+    if x.x.shape[1] != weight.K:
+        raise ValueError(f"matmul: x has {x.x.shape[1]} features, weight expects {weight.K}")
+    out = np.empty((n, weight.padded_rows), np.float32)
+    matmul_into(weight, x, out)
+    return out if weight.padded_rows == weight.N else out[:, :weight.N]
