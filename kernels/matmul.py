@@ -337,4 +337,4 @@ def matmul(weight: Weight, x: np.ndarray | QuantActivations) -> np.ndarray:
         raise ValueError(f"matmul: x has {x.x.shape[1]} features, weight expects {weight.K}")
     out = np.empty((n, weight.padded_rows), np.float32)
     matmul_into(weight, x, out)
-    return out if weight.padded_rows == weight.N else out[:, :weight.N]
+    return out if weight.padded_rows == weight.N else np.ascontiguousarray(out[:, :weight.N])

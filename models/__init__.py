@@ -1,0 +1,49 @@
+"""Architectures by GGUF `general.architecture`, and the aliases that share one."""
+
+from __future__ import annotations
+
+import importlib
+
+from .common import ModelError
+
+# architecture -> module name in this package
+ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3"}
+ALIASES = {"mistral": "llama"}
+
+
+def supported() -> list[str]:
+    return sorted(set(ARCHITECTURES) | set(ALIASES))
+
+
+def module_for(meta: dict):
+    """The module implementing the file's architecture.
+
+    Raises:
+        ModelError: missing or unsupported architecture.
+    """
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelError("the file has no general.architecture")
+    module_name = ARCHITECTURES.get(ALIASES.get(arch, arch))
+    if module_name is None:
+        raise ModelError(f"unsupported architecture {arch!r}; supported: {', '.join(supported())}")
+    return importlib.import_module(f"{__name__}.{module_name}")
+
+
+def build(meta: dict, loader):
+    """Construct the model a GGUF file describes.
+
+    Args:
+        meta: the file's metadata.
+        loader: a WeightLoader over the file and the target backend.
+    Returns:
+        The model object (see models/llama.py for the interface).
+    Raises:
+        ModelError: unknown architecture or inconsistent metadata/tensors.
+    """
+    module = module_for(meta)
+    args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
+    return module.Model(args, loader)
+
+
+__all__ = ["ARCHITECTURES", "ALIASES", "ModelError", "build", "module_for", "supported"]

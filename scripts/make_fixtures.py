@@ -10,11 +10,13 @@ Sections (run one or several):
              -> tests/fixtures/tokenizer/*.json
   template   llama.cpp's chat template engine on the real models and on every builtin
              -> tests/fixtures/templates/*.json
+  logits     llama.cpp's log-probabilities over a passage and greedy continuations
+             -> tests/fixtures/logits/*.json (see fixtures_logits.py)
 
 The tokenizer and template sections run under a venv with llama-cpp-python
-(e.g. /work/refvenv) and need the project on PYTHONPATH only to find the models:
+(e.g. a separate venv) and need the project on PYTHONPATH only to find the models:
 
-  PYTHONPATH=. /work/refvenv/bin/python scripts/make_fixtures.py tokenizer template
+  PYTHONPATH=. <venv-with-llama-cpp-python>/bin/python scripts/make_fixtures.py tokenizer template logits
 """
 
 from __future__ import annotations
@@ -656,10 +658,17 @@ def section_template(args) -> None:
     write_json(FIXTURES / "templates" / "llama_cpp_templates.json", doc)
 
 
+def section_logits(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fixtures_logits import section_logits as run
+    run(args, model_path, write_json, FIXTURES)
+
+
 SECTIONS = {
     "unicode": section_unicode,
     "tokenizer": section_tokenizer,
     "template": section_template,
+    "logits": section_logits,
 }
 
 

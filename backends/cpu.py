@@ -1,0 +1,163 @@
+"""The CPU backend: Numba kernels over weights repacked from GGUF quant blocks.
+
+It is the reference the other backends are held to. Every operation is batch-invariant: a
+token's result does not depend on the other tokens computed with it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from localllm import quants
+from localllm.kernels import attention as attn_k
+from localllm.kernels import matmul as mm
+from localllm.kernels import ops
+
+from .base import RopeSpec
+
+# A decode step runs a few hundred short parallel regions; OpenMP threads that go to sleep
+# between them cost ~100 us each to wake. Spinning keeps a region's start near 2 us. Must be
+# set before Numba loads its OpenMP layer (the first parallel kernel call).
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
+
+@dataclass
+class Embedding:
+    """Token embedding rows kept as GGUF blocks; rows are dequantized on lookup."""
+    type_name: str
+    rows: np.ndarray  # uint8 (vocab, row_bytes), usually a view of the mapped file
+    dim: int
+
+
+class KVCache:
+    """One layer's keys and values (see kernels.attention for the layout)."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, ctx: int):
+        ctx_pad = -(-ctx // attn_k.KEYS_PER_BLOCK) * attn_k.KEYS_PER_BLOCK
+        # np.zeros maps untouched pages lazily, so a long context costs memory only as it fills.
+        self.K = np.zeros((n_kv_heads, ctx_pad // 16, head_dim, 16), np.float32)
+        self.V = np.zeros((n_kv_heads, ctx_pad, head_dim), np.float32)
+        self.ctx = ctx
+
+    @property
+    def nbytes(self) -> int:
+        return self.K.nbytes + self.V.nbytes
+
+
+def set_threads(n: int) -> int:
+    """Set the kernels' thread count (clamped to what Numba started with); returns it."""
+    import numba
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+class CpuBackend:
+    """Backend on the host CPU."""
+
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        if threads:
+            set_threads(threads)
+        self._tables: dict[tuple, tuple] = {}
+
+    # ---- weights -------------------------------------------------------------------
+
+    def upload_matrix(self, name, type_name, raw, N, K):
+        return mm.pack(type_name, raw, N, K)
+
+    def upload_vector(self, values):
+        return np.ascontiguousarray(values, dtype=np.float32)
+
+    def upload_embedding(self, type_name: str, rows: np.ndarray, dim: int) -> Embedding:
+        return Embedding(type_name, rows, dim)
+
+    def embed(self, table: Embedding, ids, scale: float = 1.0):
+        ids = np.asarray(ids, np.int64)
+        rows = np.ascontiguousarray(table.rows[ids])
+        x = quants.dequantize(rows.reshape(-1), table.type_name, (len(ids), table.dim))
+        if scale != 1.0:
+            x *= np.float32(scale)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    # ---- math ----------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps):
+        out = np.empty_like(x)
+        ops.rms_norm(x, weight, eps, out)
+        return out
+
+    def linear(self, x, weights, biases=None):
+        kinds = {mm.needs(w) for w in weights}
+        act = mm.quantize(x, need32="q32" in kinds, need256="q256" in kinds)
+        outs = [mm.matmul(w, act) for w in weights]
+        if biases is not None:
+            for y, b in zip(outs, biases):
+                if b is not None:
+                    y += b
+        return outs
+
+    def head_norm(self, x, n_heads, weight, eps):
+        x = np.ascontiguousarray(x)
+        ops.rms_norm_heads(x.reshape(x.shape[0], n_heads, -1), weight, eps)
+        return x
+
+    def rope(self, x, n_heads, positions, spec: RopeSpec):
+        x = np.ascontiguousarray(x)
+        cos, sin = self._rope_table(positions, spec)
+        ops.rope(x.reshape(x.shape[0], n_heads, -1), cos, sin, spec.neox)
+        return x
+
+    def _rope_table(self, positions, spec: RopeSpec):
+        # One table per spec covering positions seen so far; looked up by index after.
+        key = (spec.n_rot, spec.theta, spec.pos_scale, id(spec.freq_factors))
+        pos = np.asarray(positions, np.int64)
+        hi = int(pos.max()) + 1
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < hi:
+            n = max(hi, 2 * (have[0].shape[0] if have else 256))
+            cos, sin = ops.rope_tables(np.arange(n), spec.n_rot, spec.theta,
+                                       spec.freq_factors, spec.pos_scale)
+            have = (cos, sin)
+            self._tables[key] = have
+        return have[0][pos], have[1][pos]
+
+    def new_kv_cache(self, n_kv_heads, head_dim, ctx):
+        return KVCache(n_kv_heads, head_dim, ctx)
+
+    def attention(self, q, k, v, cache: KVCache, positions, n_heads, scale, window=0):
+        n = q.shape[0]
+        n_kv, hd = cache.V.shape[0], cache.V.shape[2]
+        pos = np.asarray(positions, np.int64)
+        attn_k.kv_write(cache.K, cache.V, np.ascontiguousarray(k).reshape(n, n_kv, hd),
+                        np.ascontiguousarray(v).reshape(n, n_kv, hd), pos)
+        out = np.empty((n, n_heads, hd), np.float32)
+        scores = np.empty((n * n_heads, cache.V.shape[1]), np.float32)
+        attn_k.attend(np.ascontiguousarray(q).reshape(n, n_heads, hd), cache.K, cache.V, pos,
+                      int(window), float(scale), scores, out)
+        return out.reshape(n, n_heads * hd)
+
+    def glu(self, gate, up, act):
+        out = np.empty_like(gate)
+        if act == "silu":
+            ops.silu_mul(gate, up, out)
+        elif act == "gelu_tanh":
+            ops.gelu_tanh_mul(gate, up, out)
+        else:
+            raise ValueError(f"unknown activation {act}")
+        return out
+
+    def add(self, x, y):
+        ops.add_inplace(x, y)
+        return x
+
+    def select_rows(self, x, rows: Sequence[int]):
+        return np.ascontiguousarray(x[np.asarray(rows, np.int64)])
+
+    def to_numpy(self, x):
+        return x

@@ -1,0 +1,237 @@
+"""The `llm` command: run a prompt, pull, list and inspect models.
+
+Stdout carries only generated text; messages and statistics go to stderr. Every failure is
+one line starting with ``error:`` and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage dump
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx-size", type=int, default=0,
+                   help="context size in tokens (default: min(4096, the model's))")
+    p.add_argument("-t", "--threads", type=int, default=0,
+                   help="CPU threads (default: physical cores)")
+    p.add_argument("-b", "--batch-size", type=_positive_int, default=256,
+                   help="prompt tokens per forward pass (default 256)")
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="chat template: a builtin name or a Jinja file")
+    p.add_argument("--models-dir", default=None, help="model cache directory")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="tokens to generate (-1: until end of text or context)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="llm", description="Run GGUF language models locally.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="generate from one prompt and exit")
+    run.add_argument("model", nargs="?", default=None,
+                     help="GGUF path or known model name (default: smollm2-135m)")
+    src = run.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="the prompt ('-' reads standard input)")
+    src.add_argument("-f", "--file", help="read the prompt from a file")
+    run.add_argument("-sys", "--system", default=None, help="system message (chat models)")
+    run.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
+    _add_model_options(run)
+    _add_sampling_options(run)
+
+    pull = sub.add_parser("pull", help="download a known model into the cache")
+    pull.add_argument("name")
+    pull.add_argument("--models-dir", default=None)
+
+    ls = sub.add_parser("list", help="models in the cache")
+    ls.add_argument("--models-dir", default=None)
+
+    insp = sub.add_parser("inspect", help="metadata, tensors and memory of a model")
+    insp.add_argument("model")
+    insp.add_argument("--models-dir", default=None)
+    insp.add_argument("--all", action="store_true", help="print every metadata key in full")
+    return ap
+
+
+# ----------------------------------------------------------------------------- run
+
+def _read_prompt(args) -> str:
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if args.prompt is None:
+        raise ValueError("no prompt: give -p PROMPT, -f FILE, or pipe text on standard input")
+    return args.prompt
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos,
+                max_tokens=args.n_predict if args.n_predict >= 0 else 1 << 62)
+
+
+def _peak_rss_mb() -> float:
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def cmd_run(args) -> int:
+    from .engine import load
+    prompt = _read_prompt(args)
+    sampling = _sampling(args)
+    from .sampling import SamplingParams
+    SamplingParams(**sampling).validate()
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    t0 = time.perf_counter()
+    model = load(args.model, ctx_size=args.ctx_size, threads=args.threads,
+                 batch_size=args.batch_size, chat_template=args.chat_template,
+                 models_dir=args.models_dir)
+    load_s = time.perf_counter() - t0
+    if args.raw:
+        stream = model.generate(prompt, **sampling)
+    else:
+        messages = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": prompt})
+        stream = model.chat(messages, **sampling)
+    out = sys.stdout
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    if args.verbose:
+        s = model.last_stats
+        print(f"load: {load_s:.2f} s ({model.path.name}, {model.backend.name}, ctx {model.ctx})\n"
+              f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s "
+              f"({s.prompt_tps:.1f} tok/s)\n"
+              f"generated: {s.generated_tokens} tokens in {s.generate_seconds:.3f} s "
+              f"({s.generate_tps:.1f} tok/s), finish: {s.finish_reason}\n"
+              f"time to first token: {s.time_to_first_token:.3f} s\n"
+              f"seed: {s.seed}\n"
+              f"peak memory: {_peak_rss_mb():.0f} MB", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- pull / list / inspect
+
+def cmd_pull(args) -> int:
+    from .fetch import fetch
+    print(fetch(args.name, args.models_dir))
+    return 0
+
+
+def _describe(path) -> dict:
+    from .gguf import GGUFFile
+    from .inspect import describe
+    with GGUFFile(path) as f:
+        return describe(f)
+
+
+def cmd_list(args) -> int:
+    from .fetch import KNOWN_MODELS, cache_dir, list_cached
+    files = list_cached(args.models_dir)
+    if not files:
+        print(f"no models in {cache_dir(args.models_dir)}; try `llm pull {next(iter(KNOWN_MODELS))}`",
+              file=sys.stderr)
+        return 0
+    names = {m.filename: m.name for m in KNOWN_MODELS.values()}
+    rows = [("NAME", "SIZE", "ARCH", "QUANT", "FILE")]
+    for p in files:
+        try:
+            d = _describe(p)
+            arch, quant = d["architecture"], d["quant"]
+        except Exception as e:  # a broken file in the cache is listed, not fatal
+            arch, quant = "?", f"unreadable: {e}"
+        rows.append((names.get(p.name, p.stem), f"{p.stat().st_size / 1e6:.0f} MB", arch, quant, str(p)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .fetch import resolve_model_path
+    from .inspect import format_description
+    path = resolve_model_path(args.model, args.models_dir, download=False)
+    print(format_description(path, _describe(path), show_all=args.all))
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+def _error_types():
+    from .fetch import FetchError
+    from .gguf import GGUFError
+    errors = [OSError, ValueError, FetchError, GGUFError, KeyError, TypeError]
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help(sys.stderr)
+        return EXIT_USAGE
+    handler = {"run": cmd_run, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`); nothing more to say.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except _error_types() as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, FileNotFoundError) and e.filename:
+            msg = f"no such file: {e.filename}"
+        sys.stderr.write(f"error: {msg}\n")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

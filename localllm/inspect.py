@@ -1,0 +1,102 @@
+"""A model's summary from its GGUF header: architecture, quantization, tensors by type,
+parameter count, and the memory its weights and KV cache take."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from gguf import LlamaFileType
+
+KV_BYTES_PER_VALUE = 4  # the CPU backend keeps keys and values in float32
+
+
+def _file_type_name(value) -> str | None:
+    try:
+        return LlamaFileType(int(value)).name.replace("MOSTLY_", "").replace("ALL_", "")
+    except (ValueError, TypeError):
+        return None
+
+
+def describe(f) -> dict:
+    """Summarize an open GGUFFile.
+
+    Returns:
+        dict with architecture, name, quant, n_params, weight_bytes, tensor_types
+        (type -> (count, bytes)), context_length, kv_bytes_per_1k, and key model dims.
+    """
+    meta = f.metadata
+    arch = meta.get("general.architecture", "?")
+    p = f"{arch}."
+    types: dict[str, list[int]] = {}
+    n_params = 0
+    for t in f.tensors.values():
+        entry = types.setdefault(t.type_name, [0, 0])
+        entry[0] += 1
+        entry[1] += t.nbytes
+        n_params += t.n_elements
+    quant = _file_type_name(meta.get("general.file_type"))
+    if quant is None:  # the most common type among matrices
+        mats = Counter(t.type_name for t in f.tensors.values() if len(t.shape) == 2)
+        quant = mats.most_common(1)[0][0] if mats else "?"
+    n_layers = int(meta.get(p + "block_count", 0) or 0)
+    n_heads = meta.get(p + "attention.head_count", 0)
+    n_heads = int(n_heads[0] if hasattr(n_heads, "__len__") else n_heads or 0)
+    n_kv = meta.get(p + "attention.head_count_kv", n_heads)
+    n_kv = int(n_kv[0] if hasattr(n_kv, "__len__") else n_kv or 0)
+    dim = int(meta.get(p + "embedding_length", 0) or 0)
+    k_len = int(meta.get(p + "attention.key_length", dim // n_heads if n_heads else 0) or 0)
+    v_len = int(meta.get(p + "attention.value_length", k_len) or 0)
+    kv_1k = n_layers * n_kv * (k_len + v_len) * 1000 * KV_BYTES_PER_VALUE
+    vocab = meta.get("tokenizer.ggml.tokens")
+    return {
+        "architecture": arch,
+        "name": meta.get("general.name", ""),
+        "quant": quant,
+        "n_params": n_params,
+        "weight_bytes": sum(b for _, b in types.values()),
+        "tensor_types": {k: tuple(v) for k, v in sorted(types.items())},
+        "n_tensors": len(f.tensors),
+        "context_length": meta.get(p + "context_length"),
+        "n_layers": n_layers, "dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv,
+        "head_dim": k_len,
+        "vocab_size": len(vocab) if vocab is not None else meta.get(p + "vocab_size"),
+        "tokenizer": meta.get("tokenizer.ggml.model"),
+        "chat_template": "tokenizer.chat_template" in meta,
+        "kv_bytes_per_1k": kv_1k,
+        "metadata": meta,
+        "version": f.version,
+    }
+
+
+def _short(value, limit: int = 80) -> str:
+    if isinstance(value, list) or hasattr(value, "shape"):
+        n = len(value)
+        head = ", ".join(repr(v) for v in list(value[:3]))
+        return f"[{head}{', ...' if n > 3 else ''}] ({n} items)"
+    s = repr(value)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def format_description(path: Path, d: dict, show_all: bool = False) -> str:
+    """Human-readable text of describe()'s result."""
+    lines = [
+        f"file:           {path}",
+        f"architecture:   {d['architecture']}  ({d['name']})",
+        f"quantization:   {d['quant']}",
+        f"parameters:     {d['n_params'] / 1e6:.1f} M",
+        f"layers:         {d['n_layers']}  (dim {d['dim']}, heads {d['n_heads']}, "
+        f"kv heads {d['n_kv_heads']}, head dim {d['head_dim']})",
+        f"context length: {d['context_length']}",
+        f"vocabulary:     {d['vocab_size']} ({d['tokenizer']})",
+        f"chat template:  {'yes' if d['chat_template'] else 'no'}",
+        f"weights:        {d['weight_bytes'] / 1e6:.1f} MB",
+        f"KV cache:       {d['kv_bytes_per_1k'] / 1e6:.1f} MB per 1k tokens (float32)",
+        f"tensors:        {d['n_tensors']}",
+    ]
+    for t, (count, nbytes) in d["tensor_types"].items():
+        lines.append(f"  {t:8s} {count:5d} tensors  {nbytes / 1e6:9.1f} MB")
+    lines.append(f"metadata:       {len(d['metadata'])} keys (GGUF v{d['version']})")
+    for k, v in d["metadata"].items():
+        lines.append(f"  {k} = {repr(v) if show_all else _short(v)}")
+    return "\n".join(lines)

