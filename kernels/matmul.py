@@ -63,24 +63,25 @@ def _ol_block_term(w, isum, s, dx, xs, sx):
     return term_offset
 
 
-@njit(parallel=True, cache=True)
-def mm_blocks32(w, xq, dx, xs, sx, out):
-    """out[t, :] = x[t] @ W.T for a 32-block format (out zeroed, width a multiple of 16)."""
+@njit(cache=True)
+def tile_blocks32(w, tile, xq, dx, xs, sx, out):
+    """out[:, 16*tile : 16*tile+16] = x @ W[tile rows].T for a 32-block format."""
     n, K = xq.shape
     nb = K // 32
     Np = out.shape[1]
-    for tile in prange(Np // 16):
-        for t0 in range(0, n, TOKENS_PER_PASS):
-            t1 = min(n, t0 + TOKENS_PER_PASS)
-            for b in range(nb):
-                i = tile * nb + b
-                v = unpack_chunk(w, i)
-                s = block_scales(w, i)
-                for t in range(t0, t1):
-                    isum = dot8(v, xq, t * K + b * 32)
-                    oo = (t * Np + tile * 16) * 4
-                    term = block_term(w, isum, s, dx[t, b], xs[t, b], sx[t, b])
-                    vf_store(out, oo, vf_add(vf_load(out, oo), term))
+    for t0 in range(0, n, TOKENS_PER_PASS):
+        t1 = min(n, t0 + TOKENS_PER_PASS)
+        for t in range(t0, t1):
+            vf_store(out, (t * Np + tile * 16) * 4, vf_zero())
+        for b in range(nb):
+            i = tile * nb + b
+            v = unpack_chunk(w, i)
+            s = block_scales(w, i)
+            for t in range(t0, t1):
+                isum = dot8(v, xq, t * K + b * 32)
+                oo = (t * Np + tile * 16) * 4
+                term = block_term(w, isum, s, dx[t, b], xs[t, b], sx[t, b])
+                vf_store(out, oo, vf_add(vf_load(out, oo), term))
 
 
 # ----------------------------------------------------------------------------- 256-wide superblocks
@@ -153,33 +154,34 @@ def _ol_super_term(w, isum, sbi, dx, bsum, t, j0):
     return term_offset
 
 
-@njit(parallel=True, cache=True)
-def mm_superblocks(w, xq, dx, bsum, out):
-    """out[t, :] = x[t] @ W.T for a 256-superblock format (out zeroed)."""
+@njit(cache=True)
+def tile_superblocks(w, tile, xq, dx, bsum, out):
+    """out[:, 16*tile : 16*tile+16] = x @ W[tile rows].T for a 256-superblock format."""
     n, K = xq.shape
     nsb = K // 256
     Np = out.shape[1]
     step = sub_scale_offset(w)
-    for tile in prange(Np // 16):
-        iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
-        for t0 in range(0, n, TOKENS_PER_PASS):
-            t1 = min(n, t0 + TOKENS_PER_PASS)
-            for sb in range(nsb):
-                sbi = tile * nsb + sb
-                for c in range(8):
-                    v = unpack_chunk(w, sbi * 8 + c)
-                    scb = sbi * 8 * step + c * step
-                    for t in range(t0, t1):
-                        part = chunk_part(w, v, scb, xq, t * K + sb * 256 + c * 32)
-                        io = (t - t0) * 64
-                        if c == 0:
-                            vi_store(iacc, io, part)
-                        else:
-                            vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
+    iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
+    for t0 in range(0, n, TOKENS_PER_PASS):
+        t1 = min(n, t0 + TOKENS_PER_PASS)
+        for t in range(t0, t1):
+            vf_store(out, (t * Np + tile * 16) * 4, vf_zero())
+        for sb in range(nsb):
+            sbi = tile * nsb + sb
+            for c in range(8):
+                v = unpack_chunk(w, sbi * 8 + c)
+                scb = sbi * 8 * step + c * step
                 for t in range(t0, t1):
-                    term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi, dx[t, sb], bsum, t, sb * 16)
-                    oo = (t * Np + tile * 16) * 4
-                    vf_store(out, oo, vf_add(vf_load(out, oo), term))
+                    part = chunk_part(w, v, scb, xq, t * K + sb * 256 + c * 32)
+                    io = (t - t0) * 64
+                    if c == 0:
+                        vi_store(iacc, io, part)
+                    else:
+                        vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
+            for t in range(t0, t1):
+                term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi, dx[t, sb], bsum, t, sb * 16)
+                oo = (t * Np + tile * 16) * 4
+                vf_store(out, oo, vf_add(vf_load(out, oo), term))
 
 
 # ----------------------------------------------------------------------------- float weights
@@ -198,39 +200,73 @@ def _ol_load_row_values(w, o):
     return lambda w, o: vf_load_bf16(w.w, o * 2)
 
 
-@njit(parallel=True, cache=True)
-def mm_float(w, x, out):
-    """out[t, :] = x[t] @ W.T for float weights; each output sums k in ascending order."""
+@njit(cache=True)
+def tile_float(w, tile, x, out):
+    """out[:, 16*tile : 16*tile+16] = x @ W[tile rows].T for float weights (k ascending)."""
     n, K = x.shape
     Np = out.shape[1]
-    for tile in prange(Np // 16):
-        base = tile * K * 16
-        t = 0
-        while t + 4 <= n:  # four tokens share each weight load
-            a0 = vf_zero()
-            a1 = vf_zero()
-            a2 = vf_zero()
-            a3 = vf_zero()
-            for k in range(K):
-                wv = load_row_values(w, base + k * 16)
-                a0 = vf_add(a0, vf_mul(wv, vf_splat(x[t, k])))
-                a1 = vf_add(a1, vf_mul(wv, vf_splat(x[t + 1, k])))
-                a2 = vf_add(a2, vf_mul(wv, vf_splat(x[t + 2, k])))
-                a3 = vf_add(a3, vf_mul(wv, vf_splat(x[t + 3, k])))
-            vf_store(out, (t * Np + tile * 16) * 4, a0)
-            vf_store(out, ((t + 1) * Np + tile * 16) * 4, a1)
-            vf_store(out, ((t + 2) * Np + tile * 16) * 4, a2)
-            vf_store(out, ((t + 3) * Np + tile * 16) * 4, a3)
-            t += 4
-        while t < n:
-            a0 = vf_zero()
-            for k in range(K):
-                a0 = vf_add(a0, vf_mul(load_row_values(w, base + k * 16), vf_splat(x[t, k])))
-            vf_store(out, (t * Np + tile * 16) * 4, a0)
-            t += 1
+    base = tile * K * 16
+    t = 0
+    while t + 4 <= n:  # four tokens share each weight load
+        a0 = vf_zero()
+        a1 = vf_zero()
+        a2 = vf_zero()
+        a3 = vf_zero()
+        for k in range(K):
+            wv = load_row_values(w, base + k * 16)
+            a0 = vf_add(a0, vf_mul(wv, vf_splat(x[t, k])))
+            a1 = vf_add(a1, vf_mul(wv, vf_splat(x[t + 1, k])))
+            a2 = vf_add(a2, vf_mul(wv, vf_splat(x[t + 2, k])))
+            a3 = vf_add(a3, vf_mul(wv, vf_splat(x[t + 3, k])))
+        vf_store(out, (t * Np + tile * 16) * 4, a0)
+        vf_store(out, ((t + 1) * Np + tile * 16) * 4, a1)
+        vf_store(out, ((t + 2) * Np + tile * 16) * 4, a2)
+        vf_store(out, ((t + 3) * Np + tile * 16) * 4, a3)
+        t += 4
+    while t < n:
+        a0 = vf_zero()
+        for k in range(K):
+            a0 = vf_add(a0, vf_mul(load_row_values(w, base + k * 16), vf_splat(x[t, k])))
+        vf_store(out, (t * Np + tile * 16) * 4, a0)
+        t += 1
+
+
+# ----------------------------------------------------------------------------- any format
+
+def matmul_tile(w, tile, a32, a256, x, out):
+    """One 16-row tile of out = x @ W.T, whatever W's format (chosen at compile time).
+
+    a32 = (xq, dx, xs, sx) and a256 = (xq, dx, bsum) are the quantized activations (only
+    the one the format reads needs real contents); x is the float input.
+    """
+
+
+@overload(matmul_tile, inline="always")
+def _ol_matmul_tile(w, tile, a32, a256, x, out):
+    cls = w.instance_class
+    if cls in (P.PackedF32, P.PackedF16, P.PackedBF16):
+        return lambda w, tile, a32, a256, x, out: tile_float(w, tile, x, out)
+    if cls.__name__[6:] in P.SUPERBLOCK_FORMATS:
+        return lambda w, tile, a32, a256, x, out: tile_superblocks(
+            w, tile, a256[0], a256[1], a256[2], out)
+    return lambda w, tile, a32, a256, x, out: tile_blocks32(
+        w, tile, a32[0], a32[1], a32[2], a32[3], out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_kernel(w, a32, a256, x, out):
+    """out = x @ W.T over all tiles in parallel (out: float32 (n, padded rows))."""
+    for tile in prange(out.shape[1] // 16):
+        matmul_tile(w, tile, a32, a256, x, out)
 
 
 # ----------------------------------------------------------------------------- Python API
+
+# Stand-ins for an activation form a weight does not read (typed like the real ones).
+_NO_Q32 = (np.zeros((0, 0), np.int8), np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32),
+           np.zeros((0, 0), np.float32))
+_NO_Q256 = (np.zeros((0, 0), np.int8), np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32))
+
 
 @dataclass(frozen=True)
 class QuantActivations:
@@ -307,17 +343,8 @@ def needs(weight: Weight) -> str:
 
 
 def matmul_into(weight: Weight, act: QuantActivations, out: np.ndarray) -> None:
-    """out[:, :] = act.x @ W.T with ``out`` float32 (n, padded_rows), zero-filled here."""
-    out.fill(0.0)
-    kind = needs(weight)
-    if kind == "float":
-        mm_float(weight.packed, act.x, out)
-    elif kind == "q32":
-        xq, dx, xs, sx = act.q32
-        mm_blocks32(weight.packed, xq, dx, xs, sx, out)
-    else:
-        xq, dx, bsum = act.q256
-        mm_superblocks(weight.packed, xq, dx, bsum, out)
+    """out[:, :] = act.x @ W.T with ``out`` float32 (n, padded_rows)."""
+    matmul_kernel(weight.packed, act.q32 or _NO_Q32, act.q256 or _NO_Q256, act.x, out)
 
 
 def matmul(weight: Weight, x: np.ndarray | QuantActivations) -> np.ndarray:

@@ -107,7 +107,16 @@ def _sampling(args) -> dict:
                 max_tokens=args.n_predict if args.n_predict >= 0 else 1 << 62)
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (VmHWM on Linux: unlike ru_maxrss it is
+    not inherited across exec from the parent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
@@ -151,7 +160,7 @@ def cmd_run(args) -> int:
               f"({s.generate_tps:.1f} tok/s), finish: {s.finish_reason}\n"
               f"time to first token: {s.time_to_first_token:.3f} s\n"
               f"seed: {s.seed}\n"
-              f"peak memory: {_peak_rss_mb():.0f} MB", file=sys.stderr)
+              f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
 
 

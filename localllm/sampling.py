@@ -122,6 +122,11 @@ class Sampler:
         Returns:
             (token id, log-probability of that token under the model's raw distribution).
         """
+        p = self.p
+        if (p.temperature == 0 and not p.logit_bias and p.repeat_penalty == 1.0
+                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+            tok = int(np.argmax(logits))  # plain greedy: no copy of the logits needed
+            return tok, token_logprob(logits, tok)
         cand, zc = self.candidates(logits, history)
         if cand.size == 1:
             tok = int(cand[0])

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark: the same GGUF through localllm and through llama.cpp
+(llama-cpp-python, when importable), the same thread count, one table of figures and ratios.
+
+Each engine runs in its own process (so load time and peak memory are its own), one after
+the other. Prompt figures use the same token ids for both engines.
+
+    python scripts/bench.py smollm2-135m gemma3-270m --threads 2
+    python scripts/bench.py model.gguf --llama-python /path/to/venv/bin/python --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_SIZES = (256, 512)
+DECODE_TOKENS = 128
+ONESHOT_PROMPT = "What is the capital of France?"
+ONESHOT_TOKENS = 32
+
+
+# ----------------------------------------------------------------------------- workers
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory of this process (VmHWM; ru_maxrss would include the parent's)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _median(xs):
+    return statistics.median(xs)
+
+
+def worker_localllm(path: str, ids: list[int], threads: int, reps: int) -> dict:
+    t0 = time.perf_counter()
+    import localllm
+    m = localllm.load(path, threads=threads, ctx_size=1024, batch_size=512)
+    load_s = time.perf_counter() - t0
+    m.logits(ids[:8])  # first call maps the compiled kernels in
+    out = {"load_s": load_s}
+    for n in PROMPT_SIZES:
+        times = []
+        for _ in range(reps):
+            m.session.truncate(0)
+            t = time.perf_counter()
+            m.session.feed(ids[:n])
+            times.append(time.perf_counter() - t)
+        out[f"pp{n}_tps"] = n / _median(times)
+    # time to first token on a 256-token prompt, then greedy decode
+    m.session.truncate(0)
+    t = time.perf_counter()
+    chunks = m.generate(ids[:256], temperature=0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
+    first = next(iter(chunks))
+    ttft = time.perf_counter() - t
+    list(chunks)
+    s = m.last_stats
+    out["ttft_s"] = ttft
+    out["tg_tps"] = s.generate_tps
+    out["decode_tokens"] = s.generated_tokens - 1
+    out["peak_rss_mb"] = _peak_rss_mb()
+    out["weight_bytes_per_token"] = decode_weight_bytes(m)
+    del first
+    return out
+
+
+def decode_weight_bytes(m) -> int:
+    """Bytes of weights one decode step reads: every layer matrix plus the output head."""
+    net = m.net
+    total = net.output.nbytes
+    for L in net.layers:
+        for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down):
+            total += w.nbytes
+    return int(total)
+
+
+def worker_llama(path: str, ids: list[int], threads: int, reps: int) -> dict:
+    import numpy as np
+    t0 = time.perf_counter()
+    import llama_cpp
+    llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, n_ubatch=512, verbose=False)
+    load_s = time.perf_counter() - t0
+    out = {"load_s": load_s}
+    llm.eval(ids[:8])
+    for n in PROMPT_SIZES:
+        times = []
+        for _ in range(reps):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(ids[:n])
+            times.append(time.perf_counter() - t)
+        out[f"pp{n}_tps"] = n / _median(times)
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ids[:256])
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    out["ttft_s"] = ttft
+    out["tg_tps"] = DECODE_TOKENS / (time.perf_counter() - t)
+    out["decode_tokens"] = DECODE_TOKENS
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def oneshot_llama(path: str, threads: int) -> None:
+    """What `llm run -n 32` does, through llama-cpp-python (timed from outside)."""
+    import llama_cpp
+    llm = llama_cpp.Llama(path, n_ctx=4096, n_threads=threads, verbose=False)
+    r = llm.create_chat_completion([{"role": "user", "content": ONESHOT_PROMPT}],
+                                   max_tokens=ONESHOT_TOKENS, temperature=0.8, seed=1)
+    sys.stdout.write(r["choices"][0]["message"]["content"] + "\n")
+
+
+# ----------------------------------------------------------------------------- driver
+
+def bench_ids(path: str, n: int) -> list[int]:
+    """n token ids of ordinary text for the model (its own tokenizer)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from fixtures_logits import PASSAGE
+    from localllm.gguf import GGUFFile
+    from localllm.tokenizer import Tokenizer
+    with GGUFFile(path) as f:
+        tok = Tokenizer.from_metadata(f.metadata)
+    ids = tok.encode(PASSAGE)
+    body = tok.encode(" " + PASSAGE, add_special=False)
+    while len(ids) < n:
+        ids += body
+    return ids[:n]
+
+
+def run_worker(python: str, engine: str, path: str, ids: list[int], threads: int, reps: int,
+               env_extra: dict | None = None) -> dict | None:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ids, f)
+        ids_file = f.name
+    env = {**os.environ, **(env_extra or {})}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [python, __file__, "--worker", engine, path, "--ids", ids_file,
+           "--threads", str(threads), "--reps", str(reps)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    finally:
+        os.unlink(ids_file)
+    if r.returncode != 0:
+        print(f"[{engine}] failed: {r.stderr.strip().splitlines()[-1:] }", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def time_command(cmd: list[str], env: dict, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        times.append(time.perf_counter() - t)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cmd[:4]} failed: {r.stderr.strip()[-300:]}")
+    return _median(times)
+
+
+def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ours = [sys.executable, "-m", "localllm.cli", "run", path, "-p", ONESHOT_PROMPT,
+            "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1"]
+    out = {}
+    with tempfile.TemporaryDirectory() as cold_cache:
+        out["localllm_cold_s"] = time_command(ours, {**env, "NUMBA_CACHE_DIR": cold_cache}, 1)
+        out["localllm_warm_s"] = time_command(ours, {**env, "NUMBA_CACHE_DIR": cold_cache}, runs)
+    if llama_python:
+        cmd = [llama_python, __file__, "--oneshot-llama", path, "--threads", str(threads)]
+        out["llama_cpp_s"] = time_command(cmd, env, runs)
+    return out
+
+
+def machine_read_bandwidth() -> float:
+    """GB/s of a two-thread streaming read over 1 GiB (sum of int64 words)."""
+    import numba
+    import numpy as np
+    from numba import njit, prange
+
+    @njit(parallel=True)
+    def stream(a):
+        s = 0
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+    a = np.ones(1 << 27, np.int64)
+    stream(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        stream(a)
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    del numba
+    return best
+
+
+ROWS = [("load_s", "load (s)", False), ("pp256_tps", "prompt 256 (tok/s)", True),
+        ("pp512_tps", "prompt 512 (tok/s)", True), ("tg_tps", "decode 128 (tok/s)", True),
+        ("ttft_s", "time to first token (s)", False), ("peak_rss_mb", "peak RSS (MB)", False)]
+
+
+def format_table(name: str, ours: dict | None, ref: dict | None) -> str:
+    lines = [f"## {name}", "", "| | localllm | llama.cpp | ratio |", "|---|---:|---:|---:|"]
+    for key, label, higher_better in ROWS:
+        a = ours.get(key) if ours else None
+        b = ref.get(key) if ref else None
+        ratio = f"{a / b:.2f}x" if a and b else "-"
+        fmt = (lambda v: "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.2f}"))
+        lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt size (median)")
+    ap.add_argument("--llama-python", default=None,
+                    help="Python with llama-cpp-python (default: this one, if it imports)")
+    ap.add_argument("--oneshot", action="store_true",
+                    help="also time whole `llm run -n 32` processes (cold and warm compile cache)")
+    ap.add_argument("--bandwidth", action="store_true", help="also measure the machine's read bandwidth")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    ap.add_argument("--oneshot-llama", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        ids = json.loads(Path(args.ids).read_text())
+        fn = worker_localllm if args.worker == "localllm" else worker_llama
+        print(json.dumps(fn(args.models[0], ids, args.threads, args.reps)))
+        return 0
+    if args.oneshot_llama:
+        oneshot_llama(args.oneshot_llama, args.threads)
+        return 0
+
+    from localllm.fetch import resolve_model_path
+    llama_python = args.llama_python
+    if llama_python is None:
+        probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
+        llama_python = sys.executable if probe.returncode == 0 else None
+    report = {"machine": {"cpu": _cpu_name(), "threads": args.threads, "python": platform.python_version(),
+                          "os": platform.platform()}, "models": {}}
+    if args.bandwidth:
+        report["machine"]["read_gbps"] = machine_read_bandwidth()
+    for name in args.models:
+        path = str(resolve_model_path(name))
+        ids = bench_ids(path, max(PROMPT_SIZES))
+        entry = {"localllm": run_worker(sys.executable, "localllm", path, ids, args.threads, args.reps)}
+        entry["llama_cpp"] = (run_worker(llama_python, "llama", path, ids, args.threads, args.reps)
+                              if llama_python else None)
+        if args.oneshot:
+            entry["oneshot"] = oneshot(path, args.threads, llama_python, args.reps)
+        ours = entry["localllm"]
+        if ours and ours.get("tg_tps"):
+            entry["decode_weight_gbps"] = ours["weight_bytes_per_token"] * ours["tg_tps"] / 1e9
+        report["models"][name] = entry
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}")
+    if "read_gbps" in m:
+        print(f"measured read bandwidth: {m['read_gbps']:.1f} GB/s")
+    for name, e in report["models"].items():
+        print()
+        print(format_table(name, e["localllm"], e["llama_cpp"]))
+        if "decode_weight_gbps" in e:
+            print(f"\ndecode reads {e['localllm']['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
+                  f"per token: {e['decode_weight_gbps']:.1f} GB/s achieved")
+        if "oneshot" in e:
+            o = e["oneshot"]
+            line = (f"one-shot `llm run -n {ONESHOT_TOKENS}`: cold {o['localllm_cold_s']:.2f} s, "
+                    f"warm {o['localllm_warm_s']:.2f} s")
+            if "llama_cpp_s" in o:
+                line += (f"; llama.cpp {o['llama_cpp_s']:.2f} s "
+                         f"(warm ratio {o['localllm_warm_s'] / o['llama_cpp_s']:.2f}x)")
+            print(line)
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
