@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
+from numba import njit, prange
 
 from localllm import quants
 
@@ -45,47 +46,79 @@ FLOAT_FORMATS = frozenset({"F32", "F16", "BF16"})
 _ROW_STEP = 4096
 
 
-def _tiles(values: np.ndarray) -> np.ndarray:
-    """(Np, K) -> (ntiles, nchunks, 32 elements, 16 rows) view order used by the packers."""
-    n, k = values.shape
-    return values.reshape(n // ROWS, ROWS, k // 32, 32).transpose(0, 2, 3, 1)
+@njit(cache=True, parallel=True)
+def pack_nibbles(v):
+    """Values 0..15, (Np, K) uint8 -> bytes: per chunk-tile [g 0..3][row][i 0..3] holding
+    element 4g+i in the low nibble and element 16+4g+i in the high nibble (256 bytes)."""
+    n, K = v.shape
+    nc = K // 32
+    out = np.empty(n // ROWS * nc * 256, np.uint8)
+    for tc in prange(n // ROWS * nc):
+        row0 = tc // nc * ROWS
+        e0 = tc % nc * 32
+        for g in range(4):
+            for r in range(ROWS):
+                o = tc * 256 + g * 64 + r * 4
+                for i in range(4):
+                    e = e0 + 4 * g + i
+                    out[o + i] = (v[row0 + r, e] & 15) | ((v[row0 + r, e + 16] & 15) << 4)
+    return out
 
 
-def pack_nibbles(v: np.ndarray) -> np.ndarray:
-    """Values 0..15, (Np, K) -> bytes: per chunk-tile [g 0..3][row][i 0..3] holding element
-    4g+i in the low nibble and element 16+4g+i in the high nibble (256 bytes)."""
-    t = _tiles(v.astype(np.uint8))                       # (T, C, 32, R)
-    b = (t[:, :, :16] & 15) | ((t[:, :, 16:] & 15) << 4)  # (T, C, 16, R): element 4g+i at 4g+i
-    b = b.reshape(b.shape[0], b.shape[1], 4, 4, ROWS).transpose(0, 1, 2, 4, 3)  # (T,C,g,R,i)
-    return np.ascontiguousarray(b).reshape(-1)
+@njit(cache=True, parallel=True)
+def pack_bytes(v):
+    """Values 0..255, (Np, K) uint8 -> bytes: per chunk-tile [j 0..7][row][i] = element 4j+i."""
+    n, K = v.shape
+    nc = K // 32
+    out = np.empty(n // ROWS * nc * 512, np.uint8)
+    for tc in prange(n // ROWS * nc):
+        row0 = tc // nc * ROWS
+        e0 = tc % nc * 32
+        for j in range(8):
+            for r in range(ROWS):
+                o = tc * 512 + j * 64 + r * 4
+                for i in range(4):
+                    out[o + i] = v[row0 + r, e0 + 4 * j + i]
+    return out
 
 
-def pack_bytes(v: np.ndarray) -> np.ndarray:
-    """Values 0..255, (Np, K) -> bytes: per chunk-tile [j 0..7][row][i] = element 4j+i (512 bytes)."""
-    t = _tiles(v.astype(np.uint8))
-    b = t.reshape(t.shape[0], t.shape[1], 8, 4, ROWS).transpose(0, 1, 2, 4, 3)
-    return np.ascontiguousarray(b).reshape(-1)
+@njit(cache=True, parallel=True)
+def pack_bits(v, shift):
+    """Bit ``shift`` of each value, (Np, K) uint8 -> bytes: per chunk-tile [row][i] with bit j
+    = element 4j+i (64 bytes)."""
+    n, K = v.shape
+    nc = K // 32
+    out = np.empty(n // ROWS * nc * 64, np.uint8)
+    for tc in prange(n // ROWS * nc):
+        row0 = tc // nc * ROWS
+        e0 = tc % nc * 32
+        for r in range(ROWS):
+            for i in range(4):
+                b = 0
+                for j in range(8):
+                    b |= ((v[row0 + r, e0 + 4 * j + i] >> shift) & 1) << j
+                out[tc * 64 + r * 4 + i] = b
+    return out
 
 
-def pack_bits(h: np.ndarray) -> np.ndarray:
-    """Bits 0/1, (Np, K) -> bytes: per chunk-tile [row][i] with bit j = element 4j+i (64 bytes)."""
-    t = _tiles(h.astype(np.uint8) & 1)                    # (T, C, 32, R)
-    t = t.reshape(t.shape[0], t.shape[1], 8, 4, ROWS)     # (T, C, j, i, R)
-    b = np.zeros(t.shape[:2] + (4, ROWS), np.uint8)
-    for j in range(8):
-        b |= t[:, :, j] << j
-    return np.ascontiguousarray(b.transpose(0, 1, 3, 2)).reshape(-1)
-
-
-def pack_crumbs(v: np.ndarray) -> np.ndarray:
-    """Values 0..3, (Np, K) -> bytes: per chunk-tile two words [half][row][i] with bits 2j..2j+1
-    = element 16*half + 4j + i (128 bytes)."""
-    t = _tiles(v.astype(np.uint8) & 3)
-    t = t.reshape(t.shape[0], t.shape[1], 2, 4, 4, ROWS)  # (T, C, half, j, i, R)
-    b = np.zeros(t.shape[:3] + (4, ROWS), np.uint8)
-    for j in range(4):
-        b |= t[:, :, :, j] << (2 * j)
-    return np.ascontiguousarray(b.transpose(0, 1, 2, 4, 3)).reshape(-1)
+@njit(cache=True, parallel=True)
+def pack_crumbs(v, shift):
+    """Two bits (from ``shift``) of each value, (Np, K) uint8 -> bytes: per chunk-tile two words
+    [half][row][i] with bits 2j..2j+1 = element 16*half + 4j + i (128 bytes)."""
+    n, K = v.shape
+    nc = K // 32
+    out = np.empty(n // ROWS * nc * 128, np.uint8)
+    for tc in prange(n // ROWS * nc):
+        row0 = tc // nc * ROWS
+        e0 = tc % nc * 32
+        for half in range(2):
+            for r in range(ROWS):
+                for i in range(4):
+                    b = 0
+                    for j in range(4):
+                        b |= ((v[row0 + r, e0 + 16 * half + 4 * j + i] >> shift) & 3) << (2 * j)
+                    out[tc * 128 + half * 64 + r * 4 + i] = b
+    return out
 
 
 def pack_row_values(a: np.ndarray, per_row: int) -> np.ndarray:
@@ -106,17 +139,18 @@ def _values_and_scales(name: str, blocks: np.ndarray):
     """Integer values (nb, bs) as stored in the tiles plus per-block scale arrays."""
     q = quants
     if name == "Q4_0":
-        return (q.q4_0_quants(blocks) + 8), {"d": q.half_field(blocks, name, "d")}
+        return (q.q4_0_quants(blocks) + np.int8(8)).view(np.uint8), {"d": q.half_field(blocks, name, "d")}
     if name == "Q4_1":
         return q.q4_1_quants(blocks), {"d": q.half_field(blocks, name, "d"),
                                        "m": q.half_field(blocks, name, "m")}
     if name == "Q5_0":
-        return (q.q5_0_quants(blocks) + 16), {"d": q.half_field(blocks, name, "d")}
+        return (q.q5_0_quants(blocks) + np.int8(16)).view(np.uint8), {"d": q.half_field(blocks, name, "d")}
     if name == "Q5_1":
         return q.q5_1_quants(blocks), {"d": q.half_field(blocks, name, "d"),
                                        "m": q.half_field(blocks, name, "m")}
     if name == "Q8_0":
-        return (q.q8_0_quants(blocks).astype(np.int16) + 128), {"d": q.half_field(blocks, name, "d")}
+        # int8 q + 128 as a byte is q with its sign bit flipped
+        return q.field(blocks, name, "qs") ^ np.uint8(0x80), {"d": q.half_field(blocks, name, "d")}
     if name == "IQ4_NL":
         return q.iq4nl_indices(blocks), {"d": q.half_field(blocks, name, "d")}
     if name == "Q2_K":
@@ -124,7 +158,7 @@ def _values_and_scales(name: str, blocks: np.ndarray):
         return q.q2k_quants(blocks), {"d": q.half_field(blocks, name, "d"),
                                       "dmin": q.half_field(blocks, name, "dmin"), "sc": sc, "mn": mn}
     if name == "Q3_K":
-        return (q.q3k_quants(blocks) + 4), {"d": q.half_field(blocks, name, "d"),
+        return (q.q3k_quants(blocks) + np.int8(4)).view(np.uint8), {"d": q.half_field(blocks, name, "d"),
                                             "sc": q.q3k_scales(blocks)}
     if name in ("Q4_K", "Q5_K"):
         sc, mn = q.kquant_scales_mins(blocks)
@@ -132,7 +166,7 @@ def _values_and_scales(name: str, blocks: np.ndarray):
         return vals, {"d": q.half_field(blocks, name, "d"), "dmin": q.half_field(blocks, name, "dmin"),
                       "sc": sc, "mn": mn}
     if name == "Q6_K":
-        return (q.q6k_quants(blocks) + 32), {"d": q.half_field(blocks, name, "d"),
+        return (q.q6k_quants(blocks) + np.int8(32)).view(np.uint8), {"d": q.half_field(blocks, name, "d"),
                                              "sc": q.q6k_scales(blocks)}
     if name == "IQ4_XS":
         return q.iq4xs_indices(blocks), {"d": q.half_field(blocks, name, "d"),
@@ -147,21 +181,21 @@ def _pack_rows(name: str, rows: np.ndarray, K: int) -> dict[str, np.ndarray]:
     nb = K // bs
     blocks = rows.reshape(n * nb, quants.type_size(name))
     vals, sc = _values_and_scales(name, blocks)
-    v = vals.reshape(n, K).astype(np.int16)
+    v = np.ascontiguousarray(vals, dtype=np.uint8).reshape(n, K)
     out: dict[str, np.ndarray] = {}
     if name in ("Q8_0",):
         out["qs"] = pack_bytes(v)
     elif name in ("Q2_K",):
-        out["qs"] = pack_crumbs(v)
+        out["qs"] = pack_crumbs(v, 0)
     elif name in ("Q3_K",):
-        out["qs"] = pack_crumbs(v & 3)
-        out["hb"] = pack_bits(v >> 2)
+        out["qs"] = pack_crumbs(v, 0)
+        out["hb"] = pack_bits(v, 2)
     elif name in ("Q6_K",):
-        out["qs"] = pack_nibbles(v & 15)
-        out["hb"] = pack_crumbs(v >> 4)
+        out["qs"] = pack_nibbles(v)
+        out["hb"] = pack_crumbs(v, 4)
     elif name in ("Q5_0", "Q5_1", "Q5_K"):
-        out["qs"] = pack_nibbles(v & 15)
-        out["hb"] = pack_bits(v >> 4)
+        out["qs"] = pack_nibbles(v)
+        out["hb"] = pack_bits(v, 4)
     else:  # 4-bit values or table indices
         out["qs"] = pack_nibbles(v)
     for key in ("d", "m", "dmin"):
@@ -210,7 +244,7 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int):
     row_bytes = quants.row_nbytes(name, K)
     rows = np.asarray(raw, np.uint8).reshape(N, row_bytes)
     Np = -(-N // ROWS) * ROWS
-    parts: dict[str, list[np.ndarray]] = {}
+    fields: dict[str, np.ndarray] = {}
     for r0 in range(0, Np, _ROW_STEP):
         r1 = min(Np, r0 + _ROW_STEP)
         slab = rows[r0:min(r1, N)]
@@ -220,9 +254,12 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int):
             packed = {"w": _pack_float(name, slab, K)}
         else:
             packed = _pack_rows(name, slab, K)
+        # Slabs are whole tiles and the layouts are tile-major: each lands at its byte offset.
         for key, arr in packed.items():
-            parts.setdefault(key, []).append(arr)
-    fields = {k: (v[0] if len(v) == 1 else np.concatenate(v)) for k, v in parts.items()}
+            if key not in fields:
+                fields[key] = np.empty(arr.size * Np // (r1 - r0), np.uint8)
+            per_row = arr.size // (r1 - r0)
+            fields[key][r0 * per_row:r1 * per_row] = arr
     if name in ("IQ4_NL", "IQ4_XS"):
         fields["lut"] = _IQ4_LUT
     return _PACKED[name](**fields)
