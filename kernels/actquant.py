@@ -6,92 +6,115 @@ max/127 stored as f16, quants round(x * 127/max) to nearest-even; for Q8_K the s
 integers and differ only in summation order.
 """
 
-import math
-
-import numpy as np
 from numba import njit, prange
+
+from . import rowmath
+from .rowmath import (q8_32_x1, q8_32_x2, q8_32_x4, q8_32_x8, q8_32_x16, q8_256_block,
+                      rows_contiguous)
+
+# Numba caches a kernel by its own file's bytes, not rowmath's: this copy of rowmath's version
+# changes with it, so rowmath edits rebuild these kernels.
+_ROWMATH_VERSION = 1
+if rowmath.ROWMATH_VERSION != _ROWMATH_VERSION:
+    raise ImportError("kernels.actquant is out of step with kernels.rowmath: bump _ROWMATH_VERSION")
+
+# Below this many elements a call stays on one thread: a parallel region costs 2-30 us to
+# start, more than the job (~0.2 ns per element).
+PAR_MIN_ELEMS = 1 << 15
 
 
 @njit(cache=True, inline="always")
-def round_f16(v):
-    """The float16 value nearest to ``v`` (ties to even), returned as float32."""
-    a = abs(np.float64(v))
-    if a >= 65520.0:
-        return np.float32(math.copysign(math.inf, v))
-    if a < 6.103515625e-05:  # f16 subnormal range: a fixed step of 2**-24
-        q = 5.960464477539063e-08
-    else:
-        e = math.frexp(a)[1]
-        q = math.ldexp(1.0, e - 11)
-    return np.float32(np.rint(np.float64(v) / q) * q)
+def quantize_q8_32_row(xr, qr, dx, xs, sx):
+    """Quantize one contiguous row into 32-wide blocks (see quantize_q8_32), in groups of
+    16 blocks and then 8, 4, 2, 1 for the rest."""
+    nb = xr.shape[0] // 32
+    b = 0
+    while nb - b >= 16:
+        q8_32_x16(xr, 128 * b, qr, 32 * b, dx, xs, sx, 4 * b)
+        b += 16
+    if nb - b >= 8:
+        q8_32_x8(xr, 128 * b, qr, 32 * b, dx, xs, sx, 4 * b)
+        b += 8
+    if nb - b >= 4:
+        q8_32_x4(xr, 128 * b, qr, 32 * b, dx, xs, sx, 4 * b)
+        b += 4
+    if nb - b >= 2:
+        q8_32_x2(xr, 128 * b, qr, 32 * b, dx, xs, sx, 4 * b)
+        b += 2
+    if nb - b >= 1:
+        q8_32_x1(xr, 128 * b, qr, 32 * b, dx, xs, sx, 4 * b)
 
 
 @njit(cache=True, parallel=True)
+def _quantize_q8_32_par(x, qx, dx, xs, sx):
+    for t in prange(x.shape[0]):
+        quantize_q8_32_row(x[t], qx[t], dx[t], xs[t], sx[t])
+
+
+@njit(cache=True)
 def quantize_q8_32(x, qx, dx, xs, sx):
     """Quantize rows into 32-wide int8 blocks (llama.cpp's Q8_0 / Q8_1 arithmetic).
 
+    Per block: amax = max |x|, d = amax / 127, q = rint(x * (127 / amax)) (0 when amax is 0),
+    all in float32; a block whose amax is below ~4e-37 (127 / amax overflows) is out of range.
+
     Args:
-        x: float32 (n, K), K a multiple of 32.
+        x: float32 (n, K), K a multiple of 32, rows contiguous.
         qx: int8 (n, K) output quants.
         dx: float32 (n, K // 32) output scales (max |x| / 127, rounded to f16).
         xs: int32 (n, K // 32) output: the block's sum of quants.
         sx: float32 (n, K // 32) output: (unrounded scale) * sum, rounded to f16.
     """
     n, K = x.shape
-    for t in prange(n):
-        xr = x[t]
-        qr = qx[t]
-        for b in range(K // 32):
-            s0 = b * 32
-            amax = np.float32(0.0)
-            for i in range(s0, s0 + 32):
-                amax = max(amax, abs(xr[i]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            s = 0
-            for i in range(s0, s0 + 32):
-                q = np.int32(np.rint(xr[i] * inv))
-                qr[i] = q
-                s += q
-            dx[t, b] = round_f16(d)
-            xs[t, b] = s
-            sx[t, b] = round_f16(d * np.float32(s))
+    nb = K // 32
+    if (K % 32 != 0 or qx.shape != (n, K) or dx.shape != (n, nb) or xs.shape != (n, nb)
+            or sx.shape != (n, nb)):
+        raise ValueError("quantize_q8_32: K must be a multiple of 32, outputs shaped to match")
+    if not (rows_contiguous(x) and rows_contiguous(qx) and rows_contiguous(dx)
+            and rows_contiguous(xs) and rows_contiguous(sx)):
+        raise ValueError("quantize_q8_32: rows must be contiguous")
+    if n > 1 and n * K >= PAR_MIN_ELEMS:
+        _quantize_q8_32_par(x, qx, dx, xs, sx)
+    else:
+        for t in range(n):
+            quantize_q8_32_row(x[t], qx[t], dx[t], xs[t], sx[t])
+
+
+@njit(cache=True, inline="always")
+def quantize_q8_256_row(xr, qr, dx, bsum):
+    """Quantize one contiguous row into 256-wide blocks (see quantize_q8_256)."""
+    for b in range(xr.shape[0] // 256):
+        dx[b] = q8_256_block(xr, 1024 * b, qr, 256 * b, bsum, 64 * b)
 
 
 @njit(cache=True, parallel=True)
+def _quantize_q8_256_par(x, qx, dx, bsum):
+    for t in prange(x.shape[0]):
+        quantize_q8_256_row(x[t], qx[t], dx[t], bsum[t])
+
+
+@njit(cache=True)
 def quantize_q8_256(x, qx, dx, bsum):
     """Quantize rows into 256-wide int8 blocks with 16-wide sums (llama.cpp's Q8_K).
 
+    Per block: vmax = the first element of largest |x|, iscale = -127 / vmax,
+    q = min(127, rint(iscale * x)), d = 1 / iscale, all in float32 (a zero block: d = 0, q = 0).
+
     Args:
-        x: float32 (n, K), K a multiple of 256.
+        x: float32 (n, K), K a multiple of 256, rows contiguous.
         qx: int8 (n, K) output quants.
         dx: float32 (n, K // 256) output scales (may be negative).
         bsum: int32 (n, K // 16) output: sum of each 16 consecutive quants.
     """
     n, K = x.shape
-    for t in prange(n):
-        xr = x[t]
-        qr = qx[t]
-        for b in range(K // 256):
-            s0 = b * 256
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for i in range(s0, s0 + 256):
-                a = abs(xr[i])
-                if a > amax:
-                    amax = a
-                    vmax = xr[i]
-            if amax == 0:
-                dx[t, b] = 0.0
-                for i in range(s0, s0 + 256):
-                    qr[i] = 0
-            else:
-                iscale = np.float32(-127.0) / vmax
-                for i in range(s0, s0 + 256):
-                    qr[i] = min(np.int32(127), np.int32(np.rint(iscale * xr[i])))
-                dx[t, b] = np.float32(1.0) / iscale
-        for j in range(K // 16):
-            s = 0
-            for i in range(j * 16, j * 16 + 16):
-                s += qr[i]
-            bsum[t, j] = s
+    if (K % 256 != 0 or qx.shape != (n, K) or dx.shape != (n, K // 256)
+            or bsum.shape != (n, K // 16)):
+        raise ValueError("quantize_q8_256: K must be a multiple of 256, outputs shaped to match")
+    if not (rows_contiguous(x) and rows_contiguous(qx) and rows_contiguous(dx)
+            and rows_contiguous(bsum)):
+        raise ValueError("quantize_q8_256: rows must be contiguous")
+    if n > 1 and n * K >= PAR_MIN_ELEMS:
+        _quantize_q8_256_par(x, qx, dx, bsum)
+    else:
+        for t in range(n):
+            quantize_q8_256_row(x[t], qx[t], dx[t], bsum[t])

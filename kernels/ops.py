@@ -1,7 +1,7 @@
 """Elementwise and per-row kernels: RMSNorm, RoPE, gated activations, residual adds.
 
-Every row is computed on its own with a fixed operation order, so results never depend on
-how many rows are processed together.
+Each row is computed by one ``*_row`` function with a fixed operation order, so results never
+depend on how many rows are processed together or on the thread split.
 """
 
 import math
@@ -9,39 +9,116 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import rowmath
+from .rowmath import (rows_contiguous, vd_hsum, vd_sqacc, vd_zero, vf_dup_hi, vf_dup_lo,
+                      vf_gelu_tanh, vf_load_n, vf_neg_even, vf_silu, vf_store_n, vf_swap_pairs)
+from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_sub
+
+# Numba caches a kernel by its own file's bytes, not rowmath's: this copy of rowmath's version
+# changes with it, so rowmath edits rebuild these kernels.
+_ROWMATH_VERSION = 1
+if rowmath.ROWMATH_VERSION != _ROWMATH_VERSION:
+    raise ImportError("kernels.ops is out of step with kernels.rowmath: bump _ROWMATH_VERSION")
+
+# Below these many elements a call stays on one thread: a parallel region costs 2-30 us to
+# start, more than the job itself (measured ~0.25 ns per element for the norms and RoPE,
+# 0.6 for SiLU, 1.1 for GELU, memory-bound for the add).
+PAR_MIN_ELEMS = 1 << 15
+PAR_MIN_SILU = 1 << 14
+PAR_MIN_GELU = 1 << 13
+PAR_MIN_ADD = 1 << 17
+
+
+@njit(cache=True, inline="always")
+def _check_rows(a):
+    if not rows_contiguous(a):
+        raise ValueError("ops: rows must be contiguous")
+
+
+@njit(cache=True, inline="always")
+def _check_same_shape(a, b):
+    if a.shape != b.shape:
+        raise ValueError("ops: operand shapes differ")
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+@njit(cache=True, inline="always")
+def rms_norm_row(x, w, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * w for one contiguous float32 row.
+
+    The squares are summed in float64 over 16 lanes (lane j takes the elements i = j mod 16
+    in order), the lanes then folded j + 8, + 4, + 2, + 1; then as in float64 math,
+    inv = f32(1 / sqrt(ss / D + eps)), and out = (x * inv) * w in float32.
+    """
+    D = x.shape[0]
+    D16 = D & ~15
+    acc = vd_zero()
+    for i in range(0, D16, 16):
+        acc = vd_sqacc(acc, vf_load(x, 4 * i))
+    if D16 < D:
+        acc = vd_sqacc(acc, vf_load_n(x, 4 * D16, D - D16))
+    inv = vf_splat(np.float32(1.0 / math.sqrt(vd_hsum(acc) / D + eps)))
+    for i in range(0, D16, 16):
+        vf_store(out, 4 * i, vf_mul(vf_mul(vf_load(x, 4 * i), inv), vf_load(w, 4 * i)))
+    if D16 < D:
+        r = D - D16
+        v = vf_mul(vf_mul(vf_load_n(x, 4 * D16, r), inv), vf_load_n(w, 4 * D16, r))
+        vf_store_n(out, 4 * D16, v, r)
+
 
 @njit(cache=True, parallel=True)
+def _rms_norm_par(x, w, eps, out):
+    for t in prange(x.shape[0]):
+        rms_norm_row(x[t], w, eps, out[t])
+
+
+@njit(cache=True)
 def rms_norm(x, w, eps, out):
-    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, row by row.
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, row by row (see rms_norm_row).
 
     Args:
         x: float32 (n, D); w: float32 (D,); eps: float; out: float32 (n, D) (may alias x).
     """
     n, D = x.shape
-    for t in prange(n):
-        ss = np.float64(0.0)
-        for i in range(D):
-            v = np.float64(x[t, i])
-            ss += v * v
-        inv = np.float32(1.0 / math.sqrt(ss / D + eps))
-        for i in range(D):
-            out[t, i] = (x[t, i] * inv) * w[i]
+    _check_same_shape(x, out)
+    if w.shape[0] != D:
+        raise ValueError("rms_norm: weight length differs from the row length")
+    _check_rows(x)
+    _check_rows(out)
+    _check_rows(w)
+    if n > 1 and n * D >= PAR_MIN_ELEMS:
+        _rms_norm_par(x, w, eps, out)
+    else:
+        for t in range(n):
+            rms_norm_row(x[t], w, eps, out[t])
 
 
 @njit(cache=True, parallel=True)
-def rms_norm_heads(x, w, eps):
-    """In-place RMSNorm over the last axis of x (n, H, hd) with one weight (hd,) (QK-norm)."""
-    n, H, hd = x.shape
-    for t in prange(n):
-        for h in range(H):
-            ss = np.float64(0.0)
-            for i in range(hd):
-                v = np.float64(x[t, h, i])
-                ss += v * v
-            inv = np.float32(1.0 / math.sqrt(ss / hd + eps))
-            for i in range(hd):
-                x[t, h, i] = (x[t, h, i] * inv) * w[i]
+def _rms_norm_heads_par(x, w, eps):
+    for t in prange(x.shape[0]):
+        for h in range(x.shape[1]):
+            rms_norm_row(x[t, h], w, eps, x[t, h])
 
+
+@njit(cache=True)
+def rms_norm_heads(x, w, eps):
+    """In-place RMSNorm over the last axis of x (n, H, hd) with one weight (hd,) (QK-norm);
+    each head is one rms_norm_row."""
+    n, H, hd = x.shape
+    if w.shape[0] != hd:
+        raise ValueError("rms_norm_heads: weight length differs from head_dim")
+    _check_rows(x)
+    _check_rows(w)
+    if n > 1 and n * H * hd >= PAR_MIN_ELEMS:
+        _rms_norm_heads_par(x, w, eps)
+    else:
+        for t in range(n):
+            for h in range(H):
+                rms_norm_row(x[t, h], w, eps, x[t, h])
+
+
+# ----------------------------------------------------------------------------- RoPE
 
 def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=None,
                 pos_scale: float = 1.0):
@@ -64,58 +141,179 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+@njit(cache=True, inline="always")
+def _rotate_pairs(v, c, s):
+    """(a, b) -> (a c - b s, b c + a s) for the adjacent pairs of v, c and s repeated per pair
+    (a c + -(b s) and b c + a s are exactly a c - b s and a s + b c)."""
+    return vf_add(vf_mul(v, c), vf_neg_even(vf_mul(vf_swap_pairs(v), s)))
+
+
+@njit(cache=True, inline="always")
+def rope_row(x, cos, sin, neox):
+    """Rotate one head x (hd,) in place; the first 2 * len(cos) dims rotate.
+
+    Per pair (a, b) with angle (c, s): a' = a c - b s, b' = a s + b c in float32, each product
+    rounded (no FMA). neox pairs dim i with i + half, otherwise 2i with 2i + 1.
+    """
+    half = cos.shape[0]
+    h16 = half & ~15
+    r = half - h16
+    if neox:
+        for i in range(0, h16, 16):
+            a = vf_load(x, 4 * i)
+            b = vf_load(x, 4 * (i + half))
+            c = vf_load(cos, 4 * i)
+            s = vf_load(sin, 4 * i)
+            vf_store(x, 4 * i, vf_sub(vf_mul(a, c), vf_mul(b, s)))
+            vf_store(x, 4 * (i + half), vf_add(vf_mul(a, s), vf_mul(b, c)))
+        if r > 0:
+            a = vf_load_n(x, 4 * h16, r)
+            b = vf_load_n(x, 4 * (h16 + half), r)
+            c = vf_load_n(cos, 4 * h16, r)
+            s = vf_load_n(sin, 4 * h16, r)
+            vf_store_n(x, 4 * h16, vf_sub(vf_mul(a, c), vf_mul(b, s)), r)
+            vf_store_n(x, 4 * (h16 + half), vf_add(vf_mul(a, s), vf_mul(b, c)), r)
+    else:
+        for i in range(0, h16, 16):  # 16 pairs: two vectors of x per vector of cos / sin
+            c = vf_load(cos, 4 * i)
+            s = vf_load(sin, 4 * i)
+            vf_store(x, 8 * i, _rotate_pairs(vf_load(x, 8 * i), vf_dup_lo(c), vf_dup_lo(s)))
+            vf_store(x, 8 * i + 64,
+                     _rotate_pairs(vf_load(x, 8 * i + 64), vf_dup_hi(c), vf_dup_hi(s)))
+        if r > 0:
+            c = vf_load_n(cos, 4 * h16, r)
+            s = vf_load_n(sin, 4 * h16, r)
+            m = 2 * min(r, 8)
+            v = _rotate_pairs(vf_load_n(x, 8 * h16, m), vf_dup_lo(c), vf_dup_lo(s))
+            vf_store_n(x, 8 * h16, v, m)
+            if r > 8:
+                m = 2 * (r - 8)
+                v = _rotate_pairs(vf_load_n(x, 8 * h16 + 64, m), vf_dup_hi(c), vf_dup_hi(s))
+                vf_store_n(x, 8 * h16 + 64, v, m)
+
+
 @njit(cache=True, parallel=True)
+def _rope_par(x, cos, sin, neox):
+    for t in prange(x.shape[0]):
+        for h in range(x.shape[1]):
+            rope_row(x[t, h], cos[t], sin[t], neox)
+
+
+@njit(cache=True)
 def rope(x, cos, sin, neox):
     """Rotate x (n, H, hd) in place by position; the first 2 * cos.shape[1] dims rotate.
 
     Args:
+        cos, sin: float32 (n, n_rot // 2), row t for token t.
         neox: True pairs dim i with i + n_rot/2 (GPT-NeoX style); False pairs 2i with 2i+1.
     """
     n, H, hd = x.shape
-    half = cos.shape[1]
-    for t in prange(n):
-        for h in range(H):
-            for i in range(half):
-                c = cos[t, i]
-                s = sin[t, i]
-                if neox:
-                    a = x[t, h, i]
-                    b = x[t, h, i + half]
-                    x[t, h, i] = a * c - b * s
-                    x[t, h, i + half] = a * s + b * c
-                else:
-                    a = x[t, h, 2 * i]
-                    b = x[t, h, 2 * i + 1]
-                    x[t, h, 2 * i] = a * c - b * s
-                    x[t, h, 2 * i + 1] = a * s + b * c
+    _check_rows(x)
+    _check_rows(cos)
+    _check_rows(sin)
+    _check_same_shape(cos, sin)
+    if 2 * cos.shape[1] > hd or cos.shape[0] != n:
+        raise ValueError("rope: cos/sin must be (n, half) with 2 * half <= head_dim")
+    if n > 1 and n * H * hd >= PAR_MIN_ELEMS:
+        _rope_par(x, cos, sin, neox)
+    else:
+        for t in range(n):
+            for h in range(H):
+                rope_row(x[t, h], cos[t], sin[t], neox)
+
+
+# ----------------------------------------------------------------------------- gated activations
+
+@njit(cache=True, inline="always")
+def silu_mul_row(gate, up, out):
+    """out = silu(gate) * up over one row: (g / (1 + exp(-g))) * u with rowmath's exp."""
+    F = gate.shape[0]
+    for i in range(0, F & ~15, 16):
+        vf_store(out, 4 * i, vf_mul(vf_silu(vf_load(gate, 4 * i)), vf_load(up, 4 * i)))
+    i = F & ~15
+    if i < F:
+        v = vf_mul(vf_silu(vf_load_n(gate, 4 * i, F - i)), vf_load_n(up, 4 * i, F - i))
+        vf_store_n(out, 4 * i, v, F - i)
+
+
+@njit(cache=True, inline="always")
+def gelu_tanh_mul_row(gate, up, out):
+    """out = gelu_tanh(gate) * up over one row (see rowmath.vf_gelu_tanh)."""
+    F = gate.shape[0]
+    for i in range(0, F & ~15, 16):
+        vf_store(out, 4 * i, vf_mul(vf_gelu_tanh(vf_load(gate, 4 * i)), vf_load(up, 4 * i)))
+    i = F & ~15
+    if i < F:
+        v = vf_mul(vf_gelu_tanh(vf_load_n(gate, 4 * i, F - i)), vf_load_n(up, 4 * i, F - i))
+        vf_store_n(out, 4 * i, v, F - i)
 
 
 @njit(cache=True, parallel=True)
+def _silu_mul_par(gate, up, out):
+    for t in prange(gate.shape[0]):
+        silu_mul_row(gate[t], up[t], out[t])
+
+
+@njit(cache=True, parallel=True)
+def _gelu_tanh_mul_par(gate, up, out):
+    for t in prange(gate.shape[0]):
+        gelu_tanh_mul_row(gate[t], up[t], out[t])
+
+
+@njit(cache=True)
 def silu_mul(gate, up, out):
-    """out = silu(gate) * up, elementwise over (n, F)."""
+    """out = silu(gate) * up, elementwise over (n, F) (out may alias gate or up)."""
     n, F = gate.shape
-    for t in prange(n):
-        for i in range(F):
-            g = gate[t, i]
-            out[t, i] = (g / (np.float32(1.0) + np.exp(-g))) * up[t, i]
+    _check_same_shape(gate, up)
+    _check_same_shape(gate, out)
+    _check_rows(gate)
+    _check_rows(up)
+    _check_rows(out)
+    if n > 1 and n * F >= PAR_MIN_SILU:
+        _silu_mul_par(gate, up, out)
+    else:
+        for t in range(n):
+            silu_mul_row(gate[t], up[t], out[t])
+
+
+@njit(cache=True)
+def gelu_tanh_mul(gate, up, out):
+    """out = gelu_tanh(gate) * up, elementwise over (n, F) (out may alias gate or up)."""
+    n, F = gate.shape
+    _check_same_shape(gate, up)
+    _check_same_shape(gate, out)
+    _check_rows(gate)
+    _check_rows(up)
+    _check_rows(out)
+    if n > 1 and n * F >= PAR_MIN_GELU:
+        _gelu_tanh_mul_par(gate, up, out)
+    else:
+        for t in range(n):
+            gelu_tanh_mul_row(gate[t], up[t], out[t])
+
+
+# ----------------------------------------------------------------------------- residual add
+
+@njit(cache=True, inline="always")
+def add_row(x, y):
+    """x += y over one row."""
+    for i in range(x.shape[0]):
+        x[i] += y[i]
 
 
 @njit(cache=True, parallel=True)
-def gelu_tanh_mul(gate, up, out):
-    """out = gelu_tanh(gate) * up, elementwise over (n, F)."""
-    n, F = gate.shape
-    c = np.float32(math.sqrt(2.0 / math.pi))
-    for t in prange(n):
-        for i in range(F):
-            g = gate[t, i]
-            inner = c * (g + np.float32(0.044715) * g * g * g)
-            out[t, i] = (np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner))) * up[t, i]
+def _add_par(x, y):
+    for t in prange(x.shape[0]):
+        add_row(x[t], y[t])
 
 
 @njit(cache=True)
 def add_inplace(x, y):
     """x += y over (n, D)."""
     n, D = x.shape
-    for t in range(n):
-        for i in range(D):
-            x[t, i] += y[t, i]
+    _check_same_shape(x, y)
+    if n > 1 and n * D >= PAR_MIN_ADD:
+        _add_par(x, y)
+    else:
+        for t in range(n):
+            add_row(x[t], y[t])
