@@ -17,12 +17,34 @@ from localllm.kernels import attention as attn_k
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
 
+from . import cpu_block
 from .base import RopeSpec
 
-# A decode step runs a few hundred short parallel regions; OpenMP threads that go to sleep
-# between them cost ~100 us each to wake. Spinning keeps a region's start near 2 us. Must be
-# set before Numba loads its OpenMP layer (the first parallel kernel call).
-os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+_EMPTY = np.zeros(0, np.float32)
+
+
+def _block_args(w, spec) -> tuple:
+    """The fused kernel's (weights tuple, cfg tuple) for a BlockWeights and BlockSpec."""
+    vec = lambda a: _EMPTY if a is None else a  # noqa: E731
+    weights = (w.attn_norm, w.wq.packed, w.wk.packed, w.wv.packed, vec(w.bq), vec(w.bk),
+               vec(w.bv), vec(w.q_norm), vec(w.k_norm), w.wo.packed, vec(w.post_attn_norm),
+               w.ffn_norm, w.w_gate.packed, w.w_up.packed, w.w_down.packed,
+               vec(w.post_ffn_norm))
+    cfg = (float(spec.norm_eps), spec.n_heads, spec.n_kv_heads, spec.head_dim,
+           bool(spec.rope.neox), int(spec.window), float(spec.attn_scale),
+           spec.activation == "gelu_tanh", w.w_gate.N,
+           w.wq.padded_rows, w.wk.padded_rows, w.w_gate.padded_rows, w.wo.padded_rows)
+    if spec.activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {spec.activation}")
+    return weights, cfg
+
+# A decode step runs many short parallel regions: OpenMP workers that sleep between them
+# cost ~70 us each to wake, so they spin a while first (~2 us per region when the cores are
+# free). Spinning without limit (OMP_WAIT_POLICY=ACTIVE) stalls badly when another process
+# holds a core (~0.2-0.5 ms per region, measured); a bounded spin keeps that near 10 us.
+# Read by libgomp when Numba loads its OpenMP layer (the first parallel kernel call).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 
 @dataclass
@@ -34,13 +56,13 @@ class Embedding:
 
 
 class KVCache:
-    """One layer's keys and values (see kernels.attention for the layout)."""
+    """One layer's keys and values as float16 bits (see kernels.attention for the layout)."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, ctx: int):
         ctx_pad = -(-ctx // attn_k.KEYS_PER_BLOCK) * attn_k.KEYS_PER_BLOCK
         # np.zeros maps untouched pages lazily, so a long context costs memory only as it fills.
-        self.K = np.zeros((n_kv_heads, ctx_pad // 16, head_dim, 16), np.float32)
-        self.V = np.zeros((n_kv_heads, ctx_pad, head_dim), np.float32)
+        self.K = np.zeros((n_kv_heads, ctx_pad // 16, head_dim, 16), np.uint16)
+        self.V = np.zeros((n_kv_heads, ctx_pad, head_dim), np.uint16)
         self.ctx = ctx
 
     @property
@@ -61,10 +83,13 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, fused: bool = True):
         if threads:
             set_threads(threads)
         self._tables: dict[tuple, tuple] = {}
+        self._blocks: dict[int, tuple] = {}
+        if not fused:  # op-by-op (the models' reference composition); same bits, slower
+            self.decoder_block = None
 
     # ---- weights -------------------------------------------------------------------
 
@@ -137,10 +162,22 @@ class CpuBackend:
         attn_k.kv_write(cache.K, cache.V, np.ascontiguousarray(k).reshape(n, n_kv, hd),
                         np.ascontiguousarray(v).reshape(n, n_kv, hd), pos)
         out = np.empty((n, n_heads, hd), np.float32)
-        scores = np.empty((n * n_heads, cache.V.shape[1]), np.float32)
         attn_k.attend(np.ascontiguousarray(q).reshape(n, n_heads, hd), cache.K, cache.V, pos,
-                      int(window), float(scale), scores, out)
+                      int(window), float(scale), out)
         return out.reshape(n, n_heads * hd)
+
+    def decoder_block(self, x, w, spec, positions, cache: KVCache):
+        """One whole decoder block in a single Numba call (see models/block.py)."""
+        entry = self._blocks.get(id(w))
+        if entry is None or entry[0] is not w:
+            entry = (w, _block_args(w, spec))
+            self._blocks[id(w)] = entry
+        weights, cfg = entry[1]
+        cos, sin = self._rope_table(positions, spec.rope)
+        x = np.array(x, dtype=np.float32, order="C")  # updated in place by the kernel
+        cpu_block.decoder_block(x, weights, cfg, cache.K, cache.V,
+                                np.asarray(positions, np.int64), cos, sin)
+        return x
 
     def glu(self, gate, up, act):
         out = np.empty_like(gate)

@@ -1,83 +1,737 @@
-"""Causal attention over a KV cache laid out for 16-key vectors.
-
-K is stored as (n_kv_heads, ctx // 16, head_dim, 16): sixteen consecutive positions are the
-lanes of one vector, so a query's scores against 16 keys come from head_dim multiply-adds.
-V is (n_kv_heads, ctx, head_dim). Each (token, head) is computed alone, in a fixed order.
+"""Causal (optionally sliding-window) GQA attention over a float16 KV cache, batch-invariant:
+each output element has one fixed arithmetic sequence, whatever the batch or thread split.
 """
 
 import numpy as np
 from numba import njit, prange
 
-from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_zero
+from . import vmath
+from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_sub, vf_zero
+from .vmath import (f32_exp2, f32_fma, f32_load_el, f32_to_f16_bits, vf_bcast, vf_div,
+                    vf_exp2, vf_fma, vf_hmax, vf_hsum, vf_keep, vf_load_el, vf_max,
+                    vf_store_f16)
 
 KEYS_PER_BLOCK = 16
+# Softmax chunk: keys [128c, 128c + 128) by absolute position. Each chunk gets its own max and
+# partial sums, merged in chunk order, so threads may split a long context by chunk.
+CHUNK = 128
+LOG2E = 1.4426950408889634
+
+# Numba's cache only watches this file: bump together with vmath.VMATH_VERSION.
+_VMATH_VERSION = 4
+if vmath.VMATH_VERSION != _VMATH_VERSION:
+    raise ImportError("kernels.attention: bump _VMATH_VERSION to match vmath.VMATH_VERSION")
+
+# Query rows (token, head) per work item about 32: enough to reuse each loaded key/value
+# block, few enough that the item's score rows stay in L2; a multiple of 4 tokens.
+_ROWS_PER_ITEM = 32
+# Per-row cost of an item beyond its keys (q scaling, softmax, normalising), in keys.
+_ROW_OVERHEAD = 32
+# Runs of work dealt to threads: divisible by the usual thread counts (1-4, 6, 8, 12, 16), so
+# that each thread's share has equal cost without asking for the thread count (which would
+# keep Numba from caching the kernel).
+_RUNS = 48
+# Fewer (token tile, KV head) items than this: split each one's keys by chunks instead, into
+# about _SPLIT_UNITS pieces (decode and short verification batches).
+_MIN_ITEMS = 4
+_SPLIT_UNITS = 8
+# Largest float32 copy of keys and values a call makes (beyond it, they are read as half).
+_COPY_BYTES = 64 << 20
+
+
+@njit(cache=True)
+def _c_strides(a):
+    """True when ``a`` is laid out C-contiguously (the kernels read raw bytes); strides of
+    axes of length 1, and of empty arrays, do not matter."""
+    if a.size == 0:
+        return True
+    step = a.itemsize
+    for ax in range(a.ndim - 1, -1, -1):
+        if a.shape[ax] > 1 and a.strides[ax] != step:
+            return False
+        step *= a.shape[ax]
+    return True
+
+
+@njit(cache=True)
+def _check_c3(a, n0, n1, n2):
+    """True when a 3-d array has the given shape and a C layout."""
+    return a.shape[0] == n0 and a.shape[1] == n1 and a.shape[2] == n2 and _c_strides(a)
+
+
+@njit(cache=True)
+def _check_cache(K, V, n_kv, hd):
+    """The cache layout kv_write documents, C-contiguous."""
+    ctx = V.shape[1]
+    return (_check_c3(V, n_kv, ctx, hd) and K.shape[0] == n_kv and K.shape[1] * 16 == ctx
+            and K.shape[2] == hd and K.shape[3] == 16 and _c_strides(K))
 
 
 @njit(cache=True, parallel=True)
 def kv_write(K, V, k, v, positions):
-    """Store new keys/values.
+    """Round new keys/values to half and store them in the cache.
 
     Args:
-        K: float32 (n_kv, ctx // 16, hd, 16); V: float32 (n_kv, ctx, hd).
-        k, v: float32 (n, n_kv, hd) for the tokens at ``positions`` (int64 (n,)).
+        K: uint16 (n_kv, ctx // 16, hd, 16), half bits; position p is K[:, p // 16, :, p % 16].
+        V: uint16 (n_kv, ctx, hd), half bits.
+        k, v: float32 (n, n_kv, hd), C-contiguous, for the tokens at ``positions`` (int64 (n,)).
     """
     n, n_kv, hd = k.shape
+    ctx = V.shape[1]
+    if not (_check_c3(k, n, n_kv, hd) and _check_c3(v, n, n_kv, hd)
+            and _check_cache(K, V, n_kv, hd)):
+        raise ValueError("kv_write: shapes or layouts do not match")
+    for t in range(n):
+        if positions[t] < 0 or positions[t] >= ctx:
+            raise ValueError("kv_write: position outside the cache")
+    hd16 = hd - hd % 16
     for h in prange(n_kv):
+        row = np.empty(hd, np.uint16)
         for t in range(n):
             p = positions[t]
+            src = (t * n_kv + h) * hd
+            dst = (h * ctx + p) * hd
+            for d in range(0, hd16, 16):
+                vf_store_f16(row, d * 2, vf_load(k, (src + d) * 4))
+                vf_store_f16(V, (dst + d) * 2, vf_load(v, (src + d) * 4))
+            for d in range(hd16, hd):
+                row[d] = f32_to_f16_bits(k[t, h, d])
+                V[h, p, d] = f32_to_f16_bits(v[t, h, d])
             blk = p // 16
             lane = p % 16
             for d in range(hd):
-                K[h, blk, d, lane] = k[t, h, d]
-                V[h, p, d] = v[t, h, d]
+                K[h, blk, d, lane] = row[d]
+
+
+# ----------------------------------------------------------------------------- scores
+# The kernels loop over a whole work item and take few arrays: a call between Numba
+# functions costs tens of ns per array argument (reference counting, exploded structs), so
+# an item's float32 scratch is one array ``fl`` and its per-row integers one array ``ri``:
+# ri[r] = first key, ri[R + r] = last key (R rows; empty when first > last), ri[2R + r] =
+# byte offset in fl of the row's score of key 0, ri[3R + r] = byte offset in the output D of
+# its dim 0, ri[4R + r] = byte offset in fl of its weight of chunk ``cbase``.
+# Keys and values come either straight from the half cache or from a float32 copy of it
+# (vmath.vf_load_el reads both, exactly); offsets into them are in elements.
+
+@njit(cache=True)
+def _scores(fl, Ks, ri, rows, hd, kb, qb):
+    """Scores s_key of each row's key blocks, stored in its S row (see ri); qs at byte qb of
+    fl (rows x hd), block b of Ks at element kb + b * hd * 16. Rows go 4 at a time (a group
+    of 3 repeats its last row) against 4 blocks, then single blocks; 1-2 leftover rows alone."""
+    kst = hd * 16
+    for ra in range(0, rows, 4):
+        rb = min(ra + 3, rows - 1)
+        if rb - ra < 2:
+            for r in range(ra, rb + 1):
+                if ri[r] > ri[rows + r]:
+                    continue
+                bl = ri[r] // 16
+                bh = ri[rows + r] // 16
+                q0 = qb + r * hd * 4
+                s0 = ri[2 * rows + r]
+                for b in range(bl, bh + 1, 4):  # the last group repeats its last block
+                    b1 = min(b + 1, bh)
+                    b2 = min(b + 2, bh)
+                    b3 = min(b + 3, bh)
+                    a0 = vf_zero()
+                    a1 = vf_zero()
+                    a2 = vf_zero()
+                    a3 = vf_zero()
+                    for d in range(hd):
+                        x = vf_bcast(fl, q0 + d * 4)
+                        a0 = vf_fma(x, vf_load_el(Ks, kb + b * kst + d * 16), a0)
+                        a1 = vf_fma(x, vf_load_el(Ks, kb + b1 * kst + d * 16), a1)
+                        a2 = vf_fma(x, vf_load_el(Ks, kb + b2 * kst + d * 16), a2)
+                        a3 = vf_fma(x, vf_load_el(Ks, kb + b3 * kst + d * 16), a3)
+                    vf_store(fl, s0 + b * 64, a0)
+                    vf_store(fl, s0 + b1 * 64, a1)
+                    vf_store(fl, s0 + b2 * 64, a2)
+                    vf_store(fl, s0 + b3 * 64, a3)
+            continue
+        bl = 1 << 62
+        bh = -1
+        for r in range(ra, rb + 1):
+            if ri[r] <= ri[rows + r]:
+                bl = min(bl, ri[r] // 16)
+                bh = max(bh, ri[rows + r] // 16)
+        q0 = qb + ra * hd * 4
+        q1 = qb + min(ra + 1, rb) * hd * 4
+        q2 = qb + min(ra + 2, rb) * hd * 4
+        q3 = qb + min(ra + 3, rb) * hd * 4
+        s0 = ri[2 * rows + ra]
+        s1 = ri[2 * rows + min(ra + 1, rb)]
+        s2 = ri[2 * rows + min(ra + 2, rb)]
+        s3 = ri[2 * rows + min(ra + 3, rb)]
+        b = bl
+        while b + 3 <= bh:
+            k0 = kb + b * kst
+            a00 = vf_zero()
+            a01 = vf_zero()
+            a02 = vf_zero()
+            a03 = vf_zero()
+            a10 = vf_zero()
+            a11 = vf_zero()
+            a12 = vf_zero()
+            a13 = vf_zero()
+            a20 = vf_zero()
+            a21 = vf_zero()
+            a22 = vf_zero()
+            a23 = vf_zero()
+            a30 = vf_zero()
+            a31 = vf_zero()
+            a32 = vf_zero()
+            a33 = vf_zero()
+            for d in range(hd):
+                kv0 = vf_load_el(Ks, k0 + d * 16)
+                kv1 = vf_load_el(Ks, k0 + kst + d * 16)
+                kv2 = vf_load_el(Ks, k0 + 2 * kst + d * 16)
+                kv3 = vf_load_el(Ks, k0 + 3 * kst + d * 16)
+                x = vf_bcast(fl, q0 + d * 4)
+                a00 = vf_fma(x, kv0, a00)
+                a01 = vf_fma(x, kv1, a01)
+                a02 = vf_fma(x, kv2, a02)
+                a03 = vf_fma(x, kv3, a03)
+                x = vf_bcast(fl, q1 + d * 4)
+                a10 = vf_fma(x, kv0, a10)
+                a11 = vf_fma(x, kv1, a11)
+                a12 = vf_fma(x, kv2, a12)
+                a13 = vf_fma(x, kv3, a13)
+                x = vf_bcast(fl, q2 + d * 4)
+                a20 = vf_fma(x, kv0, a20)
+                a21 = vf_fma(x, kv1, a21)
+                a22 = vf_fma(x, kv2, a22)
+                a23 = vf_fma(x, kv3, a23)
+                x = vf_bcast(fl, q3 + d * 4)
+                a30 = vf_fma(x, kv0, a30)
+                a31 = vf_fma(x, kv1, a31)
+                a32 = vf_fma(x, kv2, a32)
+                a33 = vf_fma(x, kv3, a33)
+            o = b * 64
+            vf_store(fl, s0 + o, a00)
+            vf_store(fl, s0 + o + 64, a01)
+            vf_store(fl, s0 + o + 128, a02)
+            vf_store(fl, s0 + o + 192, a03)
+            vf_store(fl, s1 + o, a10)
+            vf_store(fl, s1 + o + 64, a11)
+            vf_store(fl, s1 + o + 128, a12)
+            vf_store(fl, s1 + o + 192, a13)
+            vf_store(fl, s2 + o, a20)
+            vf_store(fl, s2 + o + 64, a21)
+            vf_store(fl, s2 + o + 128, a22)
+            vf_store(fl, s2 + o + 192, a23)
+            vf_store(fl, s3 + o, a30)
+            vf_store(fl, s3 + o + 64, a31)
+            vf_store(fl, s3 + o + 128, a32)
+            vf_store(fl, s3 + o + 192, a33)
+            b += 4
+        while b <= bh:
+            k0 = kb + b * kst
+            a00 = vf_zero()
+            a10 = vf_zero()
+            a20 = vf_zero()
+            a30 = vf_zero()
+            for d in range(hd):
+                kv0 = vf_load_el(Ks, k0 + d * 16)
+                a00 = vf_fma(vf_bcast(fl, q0 + d * 4), kv0, a00)
+                a10 = vf_fma(vf_bcast(fl, q1 + d * 4), kv0, a10)
+                a20 = vf_fma(vf_bcast(fl, q2 + d * 4), kv0, a20)
+                a30 = vf_fma(vf_bcast(fl, q3 + d * 4), kv0, a30)
+            vf_store(fl, s0 + b * 64, a00)
+            vf_store(fl, s1 + b * 64, a10)
+            vf_store(fl, s2 + b * 64, a20)
+            vf_store(fl, s3 + b * 64, a30)
+            b += 1
+
+
+@njit(cache=True, inline="always")
+def _weights(m, mo, l, lo, w, wo, c0, c1):
+    """Chunk weights w_c = exp2(m_c - max m) of chunks c0..c1 (m[mo + c], l[lo + c] ->
+    w[wo + c]) and the total: an fma chain over chunks in order of w_c * l_c, from +0."""
+    mx = m[mo + c0]
+    for c in range(c0 + 1, c1 + 1):
+        if m[mo + c] > mx:
+            mx = m[mo + c]
+    tot = np.float32(0.0)
+    for c in range(c0, c1 + 1):
+        wc = f32_exp2(m[mo + c] - mx)
+        w[wo + c] = wc
+        tot = f32_fma(wc, l[lo + c], tot)
+    return tot
+
+
+@njit(cache=True)
+def _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold):
+    """Per row and chunk: the chunk's max m (fl[mo + r * nch + c - cbase]), its scores (log2
+    units) turned into exp2(s - m) in place, and their sum l (at lo likewise): lane-wise over
+    its key blocks in order, then a fixed lane tree. ``fold``: also the row's chunk weights
+    (at wo) and total (fl[to + r]), see _weights."""
+    for r in range(rows):
+        first = ri[r]
+        last = ri[rows + r]
+        if first > last:
+            continue
+        sr = ri[2 * rows + r]
+        for c in range(first // CHUNK, last // CHUNK + 1):
+            j0 = max(first, c * CHUNK)
+            j1 = min(last, c * CHUNK + CHUNK - 1)
+            b0 = j0 // 16
+            b1 = j1 // 16
+            mx = vf_splat(-np.inf)
+            for b in range(b0, b1 + 1):
+                s = vf_load(fl, sr + b * 64)
+                if b == b0 or b == b1:
+                    s = vf_keep(s, j0 - b * 16, j1 - b * 16, -np.inf)
+                    vf_store(fl, sr + b * 64, s)
+                mx = vf_max(mx, s)
+            mc = vf_hmax(mx)
+            ms = vf_splat(mc)
+            acc = vf_zero()
+            for b in range(b0, b1 + 1):
+                e = vf_exp2(vf_sub(vf_load(fl, sr + b * 64), ms))
+                if b == b0 or b == b1:  # keys outside the row's range weigh exactly 0
+                    e = vf_keep(e, j0 - b * 16, j1 - b * 16, 0.0)
+                vf_store(fl, sr + b * 64, e)
+                acc = vf_add(acc, e)
+            fl[mo + r * nch + c - cbase] = mc
+            fl[lo + r * nch + c - cbase] = vf_hsum(acc)
+        if fold:
+            o = r * nch - cbase
+            fl[to + r] = _weights(fl, mo + o, fl, lo + o, fl, wo + o, first // CHUNK,
+                                  last // CHUNK)
+
+
+# ----------------------------------------------------------------------------- values
+# Per row, chunk and dim: o_c = fma chain over the chunk's keys in order of e_j * V_j, from 0.
+# Then either folded at once into the row's output (o = fma(w_c, o_c, o), chunks in order) or
+# stored as a partial (D byte offset ri[3R + r] + c * dstride) for _merge. The last vectors of
+# a row may overlap the ones before (offsets clamped to hd16 - 16): they compute the same
+# values, and a fold loads all four before it stores.
+
+@njit(cache=True, inline="always")
+def _clip(first, last, clo, chi):
+    """A row's keys within a chunk; an empty range as (huge, -1), so that it neither widens
+    the group's key range nor passes a row test."""
+    a = max(first, clo)
+    e = min(last, chi)
+    if a > e:
+        return 1 << 62, -1
+    return a, e
+
+
+@njit(cache=True, inline="always")
+def _emit4(D, fl, base, wo, d0, d1, d2, d3, x0, x1, x2, x3, fold):
+    if fold:
+        w = vf_bcast(fl, wo)
+        x0 = vf_fma(w, x0, vf_load(D, base + d0 * 4))
+        x1 = vf_fma(w, x1, vf_load(D, base + d1 * 4))
+        x2 = vf_fma(w, x2, vf_load(D, base + d2 * 4))
+        x3 = vf_fma(w, x3, vf_load(D, base + d3 * 4))
+    vf_store(D, base + d0 * 4, x0)
+    vf_store(D, base + d1 * 4, x1)
+    vf_store(D, base + d2 * 4, x2)
+    vf_store(D, base + d3 * 4, x3)
+
+
+@njit(cache=True)
+def _values(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
+    """Value sums of all rows over chunks ca..cb (probabilities in fl, see ri; key j of Vs
+    at element v0 + j * hd). Rows 4 at a time x 4 vectors of dims: in a chunk, the keys all
+    rows share run unconditionally, the ragged ones before and after with a per-row test,
+    so each row sees its keys in order. 1-2 leftover rows alone."""
+    hd16 = hd - hd % 16
+    R = rows
+    for ra in range(0, rows, 4):
+        rb = min(ra + 3, rows - 1)
+        if hd16 == 0:
+            break
+        if rb - ra < 2:
+            for r in range(ra, rb + 1):
+                t = ri[2 * R + r]
+                for c in range(ca, cb + 1):
+                    a, b = _clip(ri[r], ri[R + r], c * CHUNK, c * CHUNK + CHUNK - 1)
+                    if b < 0:
+                        continue
+                    base = ri[3 * R + r] + c * dstride
+                    wo = ri[4 * R + r] + (c - cbase) * 4
+                    for d in range(0, hd16, 64):
+                        d1 = min(d + 16, hd16 - 16)
+                        d2 = min(d + 32, hd16 - 16)
+                        d3 = min(d + 48, hd16 - 16)
+                        x0 = vf_zero()
+                        x1 = vf_zero()
+                        x2 = vf_zero()
+                        x3 = vf_zero()
+                        for j in range(a, b + 1):
+                            e = vf_bcast(fl, t + j * 4)
+                            vo = v0 + j * hd
+                            x0 = vf_fma(e, vf_load_el(Vs, vo + d), x0)
+                            x1 = vf_fma(e, vf_load_el(Vs, vo + d1), x1)
+                            x2 = vf_fma(e, vf_load_el(Vs, vo + d2), x2)
+                            x3 = vf_fma(e, vf_load_el(Vs, vo + d3), x3)
+                        _emit4(D, fl, base, wo, d, d1, d2, d3, x0, x1, x2, x3, fold)
+            continue
+        r0 = ra
+        r1 = ra + 1
+        r2 = ra + 2
+        r3 = rb
+        t0 = ri[2 * R + r0]
+        t1 = ri[2 * R + r1]
+        t2 = ri[2 * R + r2]
+        t3 = ri[2 * R + r3]
+        for c in range(ca, cb + 1):
+            clo = c * CHUNK
+            chi = clo + CHUNK - 1
+            a0, e0 = _clip(ri[r0], ri[R + r0], clo, chi)
+            a1, e1 = _clip(ri[r1], ri[R + r1], clo, chi)
+            a2, e2 = _clip(ri[r2], ri[R + r2], clo, chi)
+            a3, e3 = _clip(ri[r3], ri[R + r3], clo, chi)
+            if e0 < 0 and e1 < 0 and e2 < 0 and e3 < 0:
+                continue
+            jlo = min(min(a0, a1), min(a2, a3))
+            jhi = max(max(e0, e1), max(e2, e3))
+            j0 = max(max(a0, a1), max(a2, a3))
+            j1 = min(min(e0, e1), min(e2, e3))
+            if j0 > j1:  # no key shared by all rows: everything goes through the tests
+                j0 = jhi + 1
+                j1 = jhi
+            wo = (c - cbase) * 4
+            for d in range(0, hd16, 64):
+                d1 = min(d + 16, hd16 - 16)
+                d2 = min(d + 32, hd16 - 16)
+                d3 = min(d + 48, hd16 - 16)
+                x00 = vf_zero()
+                x01 = vf_zero()
+                x02 = vf_zero()
+                x03 = vf_zero()
+                x10 = vf_zero()
+                x11 = vf_zero()
+                x12 = vf_zero()
+                x13 = vf_zero()
+                x20 = vf_zero()
+                x21 = vf_zero()
+                x22 = vf_zero()
+                x23 = vf_zero()
+                x30 = vf_zero()
+                x31 = vf_zero()
+                x32 = vf_zero()
+                x33 = vf_zero()
+                for part in range(3):
+                    js = jlo if part == 0 else (j0 if part == 1 else j1 + 1)
+                    je = j0 - 1 if part == 0 else (j1 if part == 1 else jhi)
+                    for j in range(js, je + 1):
+                        vo = v0 + j * hd
+                        w0 = vf_load_el(Vs, vo + d)
+                        w1 = vf_load_el(Vs, vo + d1)
+                        w2 = vf_load_el(Vs, vo + d2)
+                        w3 = vf_load_el(Vs, vo + d3)
+                        if part == 1 or (a0 <= j and j <= e0):
+                            e = vf_bcast(fl, t0 + j * 4)
+                            x00 = vf_fma(e, w0, x00)
+                            x01 = vf_fma(e, w1, x01)
+                            x02 = vf_fma(e, w2, x02)
+                            x03 = vf_fma(e, w3, x03)
+                        if part == 1 or (a1 <= j and j <= e1):
+                            e = vf_bcast(fl, t1 + j * 4)
+                            x10 = vf_fma(e, w0, x10)
+                            x11 = vf_fma(e, w1, x11)
+                            x12 = vf_fma(e, w2, x12)
+                            x13 = vf_fma(e, w3, x13)
+                        if part == 1 or (a2 <= j and j <= e2):
+                            e = vf_bcast(fl, t2 + j * 4)
+                            x20 = vf_fma(e, w0, x20)
+                            x21 = vf_fma(e, w1, x21)
+                            x22 = vf_fma(e, w2, x22)
+                            x23 = vf_fma(e, w3, x23)
+                        if part == 1 or (a3 <= j and j <= e3):
+                            e = vf_bcast(fl, t3 + j * 4)
+                            x30 = vf_fma(e, w0, x30)
+                            x31 = vf_fma(e, w1, x31)
+                            x32 = vf_fma(e, w2, x32)
+                            x33 = vf_fma(e, w3, x33)
+                if e0 >= 0:
+                    _emit4(D, fl, ri[3 * R + r0] + c * dstride, ri[4 * R + r0] + wo, d, d1, d2,
+                           d3, x00, x01, x02, x03, fold)
+                if e1 >= 0:
+                    _emit4(D, fl, ri[3 * R + r1] + c * dstride, ri[4 * R + r1] + wo, d, d1, d2,
+                           d3, x10, x11, x12, x13, fold)
+                if e2 >= 0:
+                    _emit4(D, fl, ri[3 * R + r2] + c * dstride, ri[4 * R + r2] + wo, d, d1, d2,
+                           d3, x20, x21, x22, x23, fold)
+                if e3 >= 0 and r3 != r2:
+                    _emit4(D, fl, ri[3 * R + r3] + c * dstride, ri[4 * R + r3] + wo, d, d1, d2,
+                           d3, x30, x31, x32, x33, fold)
+    if hd16 < hd:
+        _values_tail(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold)
+
+
+@njit(cache=True)
+def _values_tail(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
+    """_values for dims hd16..hd-1, one at a time (head sizes not a multiple of 16)."""
+    R = rows
+    for r in range(rows):
+        for c in range(ca, cb + 1):
+            a, b = _clip(ri[r], ri[R + r], c * CHUNK, c * CHUNK + CHUNK - 1)
+            if b < 0:
+                continue
+            base = (ri[3 * R + r] + c * dstride) // 4
+            for d in range(hd - hd % 16, hd):
+                x = np.float32(0.0)
+                for j in range(a, b + 1):
+                    x = f32_fma(fl[ri[2 * R + r] // 4 + j], f32_load_el(Vs, v0 + j * hd + d), x)
+                if fold:
+                    x = f32_fma(fl[ri[4 * R + r] // 4 + c - cbase], x, D[base + d])
+                D[base + d] = x
+
+
+# ----------------------------------------------------------------------------- work items
+
+@njit(cache=True)
+def _widen_copy(src, s0, dst, d0, count):
+    """dst[d0 : d0 + count] = src[s0 : s0 + count] as float32 (element offsets, count a
+    multiple of 16)."""
+    for i in range(0, count, 16):
+        vf_store(dst, (d0 + i) * 4, vf_load_el(src, s0 + i))
+
+
+@njit(cache=True)
+def _item(q, Ks, Vs, src, positions, window, c, out, t0, t1, kvh, c0, c1, split, P, PmPl):
+    """Attention of tokens t0..t1-1 for the query heads of KV head kvh, over key chunks
+    c0..c1. Keys and values from Ks, Vs: the cache or its float32 copy, described by src =
+    (n_kv, K element offset, V element offset, blocks per KV head, first block). Not split:
+    the whole result into ``out``. Split: per-chunk partials into P (n * H, chunks, hd) and
+    PmPl (2, n * H, chunks) (chunk maxima and sums) for _merge."""
+    n, H, hd = q.shape
+    n_kv, ka, va, nbs, b0 = src
+    G = H // n_kv
+    rows = (t1 - t0) * G
+    R = rows
+    ri = np.empty(5 * rows, np.int64)
+    # Typed int64 from the start: a literal here would make Numba also compile the kernels
+    # for literal arguments (and so for every call site that passes one).
+    bmin = np.int64(1 << 62)
+    bmax = np.int64(-1)
+    for r in range(rows):
+        p = positions[t0 + r // G]
+        first = 0
+        if window > 0 and p - window + 1 > 0:
+            first = p - window + 1
+        ri[r] = max(first, c0 * CHUNK)
+        ri[R + r] = min(p, c1 * CHUNK + CHUNK - 1)
+        if ri[r] <= ri[R + r]:
+            bmin = min(bmin, ri[r] // 16)
+            bmax = max(bmax, ri[R + r] // 16)
+    if bmax < 0:
+        return
+    span = (bmax - bmin + 1) * 16
+    kbase = bmin * 16
+    cbase = kbase // CHUNK
+    nch = bmax * 16 // CHUNK - cbase + 1
+    # Scratch, element offsets: [align | S (rows x span) | O, qs (rows x hd) | m, l, w
+    # (rows x nch) | tot (rows)].
+    fl = np.empty(16 + rows * (span + 2 * hd + 3 * nch + 1), np.float32)
+    so = np.int64((64 - fl.ctypes.data % 64) % 64 // 4)
+    oo = so + rows * span
+    qo = oo + rows * hd
+    mo = qo + rows * hd
+    lo = mo + rows * nch
+    wo = lo + rows * nch
+    to = wo + rows * nch
+    hd16 = hd - hd % 16
+    cv = vf_splat(c)
+    for r in range(rows):
+        t = t0 + r // G
+        h = kvh * G + r % G
+        qb = (t * H + h) * hd * 4
+        for d in range(0, hd16, 16):
+            vf_store(fl, (qo + r * hd + d) * 4, vf_mul(vf_load(q, qb + d * 4), cv))
+        for d in range(hd16, hd):
+            fl[qo + r * hd + d] = q[t, h, d] * c
+        ri[2 * R + r] = (so + r * span - kbase) * 4
+        ri[3 * R + r] = (oo + r * hd) * 4
+        ri[4 * R + r] = (wo + r * nch) * 4
+    fold = not split  # a variable, not a literal: one compiled _values for both uses
+    _scores(fl, Ks, ri, rows, hd, ka + (kvh * nbs - b0) * hd * 16, qo * 4)
+    _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold)
+    v0 = va + (kvh * nbs - b0) * 16 * hd
+    if split:
+        nchunks = P.shape[1]
+        for r in range(rows):
+            row = (t0 + r // G) * H + kvh * G + r % G
+            ri[3 * R + r] = row * nchunks * hd * 4
+            if ri[r] <= ri[R + r]:
+                for cc in range(ri[r] // CHUNK, ri[R + r] // CHUNK + 1):
+                    PmPl[0, row, cc] = fl[mo + r * nch + cc - cbase]
+                    PmPl[1, row, cc] = fl[lo + r * nch + cc - cbase]
+        _values(fl, Vs, P.reshape(-1), ri, rows, hd, v0, hd * 4, cbase, cbase + nch - 1, cbase,
+                fold)
+        return
+    fl[oo:oo + rows * hd] = 0.0
+    _values(fl, Vs, fl, ri, rows, hd, v0, np.int64(0), cbase, cbase + nch - 1, cbase, fold)
+    for r in range(rows):
+        t = t0 + r // G
+        h = kvh * G + r % G
+        ob = (t * H + h) * hd * 4
+        den = vf_splat(fl[to + r])
+        for d in range(0, hd16, 16):
+            vf_store(out, ob + d * 4, vf_div(vf_load(fl, (oo + r * hd + d) * 4), den))
+        for d in range(hd16, hd):
+            out[t, h, d] = fl[oo + r * hd + d] / fl[to + r]
 
 
 @njit(cache=True, parallel=True)
-def attend(q, K, V, positions, window, scale, scores, out):
-    """out[t, h] = softmax(scale * q[t, h] . K[:p]) @ V[:p] for keys p <= positions[t].
+def _widen_cache(K, V, b0, nb, Kc, Vc, ka, va):
+    """Float32 copies of key blocks b0..b0+nb-1 (and their values) of every KV head, laid out
+    like the cache, at element offsets ka of Kc and va of Vc."""
+    n_kv, nblk, hd, _ = K.shape
+    per = hd * 16  # elements per block
+    pieces = (nb + 15) // 16
+    for u in prange(n_kv * pieces):
+        h = u // pieces
+        b = (u % pieces) * 16
+        cnt = min(16, nb - b) * per
+        _widen_copy(K, (h * nblk + b0 + b) * per, Kc, ka + (h * nb + b) * per, cnt)
+        _widen_copy(V, (h * nblk + b0 + b) * per, Vc, va + (h * nb + b) * per, cnt)
+
+
+@njit(cache=True)
+def _merge(P, PmPl, positions, window, out):
+    """Combine per-chunk partials (as _item stores them when split) into ``out``, with the
+    same arithmetic as an unsplit item: weights from _weights, outputs an fma chain over
+    chunks in order of w_c * o_c, divided by the total."""
+    n, H, hd = out.shape
+    nchunks = P.shape[1]
+    w = np.empty(nchunks, np.float32)
+    Pm = PmPl[0].reshape(-1)
+    Pl = PmPl[1].reshape(-1)
+    hd16 = hd - hd % 16
+    for t in range(n):
+        p = positions[t]
+        first = 0
+        if window > 0 and p - window + 1 > 0:
+            first = p - window + 1
+        ca = first // CHUNK
+        cb = p // CHUNK
+        for h in range(H):
+            row = t * H + h
+            tot = _weights(Pm, row * nchunks, Pl, row * nchunks, w, 0, ca, cb)
+            den = vf_splat(tot)
+            ob = (t * H + h) * hd * 4
+            for d in range(0, hd16, 16):
+                o = vf_zero()
+                for cc in range(ca, cb + 1):
+                    o = vf_fma(vf_splat(w[cc]), vf_load(P, ((row * nchunks + cc) * hd + d) * 4), o)
+                vf_store(out, ob + d * 4, vf_div(o, den))
+            for d in range(hd16, hd):
+                x = np.float32(0.0)
+                for cc in range(ca, cb + 1):
+                    x = f32_fma(w[cc], P[row, cc, d], x)
+                out[t, h, d] = x / tot
+
+
+@njit(cache=True, parallel=True)
+def attend(q, K, V, positions, window, scale, out):
+    """out[t, h] = softmax(scale * q[t, h] . K[j]) @ V[j] over keys j = lo..positions[t].
+
+    Per output element, whatever the batch and thread split (float32; K, V widened exactly
+    from half; fma = one rounding; chunk c = keys 128c..128c+127 within lo..p):
+      qs[d] = q[d] * f32(scale * log2(e));
+      s_j = fma chain over d = 0..hd-1 of qs[d] * K_j[d], from +0;
+      per chunk: m_c = max s_j;  e_j = exp2(s_j - m_c)  (vmath.vf_exp2);
+          l_c = per lane i (keys 16b + i) sum of e_j over the chunk's blocks b in order from
+          +0, then the 16 lanes summed by halving ((0..7)+(8..15), ...);
+          o_c[d] = fma chain over its keys j in order of e_j * V_j[d], from +0;
+      M = max m_c;  w_c = exp2(m_c - M);  L = fma chain over chunks of w_c * l_c, from +0;
+      o[d] = (fma chain over chunks in order of w_c * o_c[d], from +0) / L.
 
     Args:
-        q: float32 (n, H, hd). K, V: the cache (see module doc).
-        positions: int64 (n,) each query's position; it sees keys 0..position.
-        window: sliding window (keys with position > query - window), 0 for none.
+        q: float32 (n, H, hd), C-contiguous; H a multiple of n_kv (grouped-query attention).
+        K, V: the half cache (see kv_write), already holding every key up to each position.
+        positions: int64 (n,) each query's position; it sees keys lo..position.
+        window: sliding window (lo = position - window + 1, at least 0), 0 for none.
         scale: score multiplier.
-        scores: float32 scratch (n * H, ctx).
-        out: float32 (n, H, hd).
+        out: float32 (n, H, hd), C-contiguous; written.
     """
     n, H, hd = q.shape
     n_kv = K.shape[0]
-    group = H // n_kv
-    nblk = K.shape[1]
-    for i in prange(n * H):
-        t = i // H
-        h = i % H
-        kvh = h // group
+    ctx = V.shape[1]
+    if not (_check_c3(q, n, H, hd) and _check_c3(out, n, H, hd) and n_kv > 0
+            and H % n_kv == 0 and _check_cache(K, V, n_kv, hd)):
+        raise ValueError("attend: shapes or layouts do not match")
+    pmax = 0
+    kmin = ctx
+    for t in range(n):
         p = positions[t]
-        lo = 0
-        if window > 0 and p - window + 1 > 0:
-            lo = p - window + 1
-        srow = scores[i]
-        for pb in range(lo // 16, p // 16 + 1):
-            acc = vf_zero()
-            base = ((kvh * nblk + pb) * hd) * 64
-            for d in range(hd):
-                acc = vf_add(acc, vf_mul(vf_splat(q[t, h, d]), vf_load(K, base + d * 64)))
-            vf_store(srow, pb * 64, acc)
-        m = np.float32(-np.inf)
-        for j in range(lo, p + 1):
-            s = srow[j] * np.float32(scale)
-            srow[j] = s
-            if s > m:
-                m = s
-        o = out[t, h]
-        o[:] = 0.0
-        total = np.float32(0.0)
-        for j in range(lo, p + 1):
-            e = np.exp(srow[j] - m)
-            total += e
-            vj = V[kvh, j]
-            for d in range(hd):
-                o[d] += e * vj[d]
-        inv = np.float32(1.0) / total
-        for d in range(hd):
-            o[d] *= inv
+        if p < 0 or p >= ctx:
+            raise ValueError("attend: position outside the cache")
+        pmax = max(pmax, p)
+        kmin = min(kmin, max(0, p - window + 1) if window > 0 else 0)
+    G = H // n_kv
+    c = np.float32(scale * LOG2E)
+    tile = 4 * max(1, _ROWS_PER_ITEM // (4 * G))
+    nt = (n + tile - 1) // tile
+    nchunks = pmax // CHUNK + 1
+    split = nt * n_kv < _MIN_ITEMS and nchunks > 1
+    cg = nchunks  # chunks per item
+    if split:
+        per = max(1, _SPLIT_UNITS // (nt * n_kv))
+        cg = (nchunks + per - 1) // per
+    ncg = (nchunks + cg - 1) // cg
+    n_items = nt * n_kv * ncg
+    # Items in order, cut by estimated cost into _RUNS contiguous runs of equal cost; the
+    # parallel loop deals runs out to threads in equal contiguous shares.
+    cost = np.empty(n_items + 1, np.float64)
+    cost[0] = 0.0
+    for i in range(n_items):
+        ti = i // (n_kv * ncg)
+        c0 = (i % ncg) * cg
+        t0 = ti * tile
+        t1 = min(n, t0 + tile)
+        keys = 0
+        for t in range(t0, t1):
+            p = positions[t]
+            f = 0
+            if window > 0 and p - window + 1 > 0:
+                f = p - window + 1
+            keys += max(0, min(p, (c0 + cg) * CHUNK - 1) - max(f, c0 * CHUNK) + 1)
+        cost[i + 1] = cost[i] + G * (keys + (t1 - t0) * _ROW_OVERHEAD)
+    bounds = np.zeros(_RUNS + 1, np.int64)
+    i = 0
+    for w in range(_RUNS):
+        while i < n_items and (cost[i] + cost[i + 1]) * 0.5 * _RUNS < cost[n_items] * (w + 1):
+            i += 1
+        bounds[w + 1] = i
+    bounds[_RUNS] = n_items
+    P = np.empty((n * H if split else 0, nchunks, hd), np.float32)
+    PmPl = np.empty((2, n * H if split else 0, nchunks), np.float32)
+    # Prompt-sized batches read keys and values from one float32 copy of the blocks they
+    # need: FMAs then take aligned float32 operands instead of sharing ports with half
+    # conversions. Decode reads the half cache directly: there each value serves G rows only,
+    # too few to pay for the copy. (Two compiled _item variants, one per source type.)
+    b0 = kmin // 16
+    nb = pmax // 16 - b0 + 1
+    copy = not split and n * G >= 8 and 2 * n_kv * nb * 16 * hd * 4 <= _COPY_BYTES
+    Kc = np.empty(n_kv * nb * 16 * hd + 16 if copy else 0, np.float32)
+    Vc = np.empty(Kc.size, np.float32)
+    zero = np.int64(0)
+    ka = zero
+    va = zero
+    if copy:
+        ka = np.int64((64 - Kc.ctypes.data % 64) % 64 // 4)
+        va = np.int64((64 - Vc.ctypes.data % 64) % 64 // 4)
+        _widen_cache(K, V, b0, nb, Kc, Vc, ka, va)
+    for w in prange(_RUNS):
+        for i in range(bounds[w], bounds[w + 1]):
+            ti = i // (n_kv * ncg)
+            kvh = (i // ncg) % n_kv
+            c0 = (i % ncg) * cg
+            t0 = ti * tile
+            t1 = min(n, t0 + tile)
+            c1 = min(nchunks, c0 + cg) - 1
+            if copy:
+                _item(q, Kc, Vc, (n_kv, ka, va, nb, b0), positions, window, c, out, t0, t1,
+                      kvh, c0, c1, split, P, PmPl)
+            else:
+                _item(q, K, V, (n_kv, zero, zero, K.shape[1], zero), positions, window, c,
+                      out, t0, t1, kvh, c0, c1, split, P, PmPl)
+    if split:
+        _merge(P, PmPl, positions, window, out)

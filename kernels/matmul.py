@@ -69,19 +69,23 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
     n, K = xq.shape
     nb = K // 32
     Np = out.shape[1]
+    # Sums build up in a small local buffer (L1) rather than in the strided rows of out.
+    acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
     for t0 in range(0, n, TOKENS_PER_PASS):
         t1 = min(n, t0 + TOKENS_PER_PASS)
-        for t in range(t0, t1):
-            vf_store(out, (t * Np + tile * 16) * 4, vf_zero())
+        for t in range(t1 - t0):
+            vf_store(acc, t * 64, vf_zero())
         for b in range(nb):
             i = tile * nb + b
             v = unpack_chunk(w, i)
             s = block_scales(w, i)
             for t in range(t0, t1):
                 isum = dot8(v, xq, t * K + b * 32)
-                oo = (t * Np + tile * 16) * 4
+                ao = (t - t0) * 64
                 term = block_term(w, isum, s, dx[t, b], xs[t, b], sx[t, b])
-                vf_store(out, oo, vf_add(vf_load(out, oo), term))
+                vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
+        for t in range(t0, t1):
+            vf_store(out, (t * Np + tile * 16) * 4, vf_load(acc, (t - t0) * 64))
 
 
 # ----------------------------------------------------------------------------- 256-wide superblocks
@@ -162,10 +166,11 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
     Np = out.shape[1]
     step = sub_scale_offset(w)
     iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
+    acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
     for t0 in range(0, n, TOKENS_PER_PASS):
         t1 = min(n, t0 + TOKENS_PER_PASS)
-        for t in range(t0, t1):
-            vf_store(out, (t * Np + tile * 16) * 4, vf_zero())
+        for t in range(t1 - t0):
+            vf_store(acc, t * 64, vf_zero())
         for sb in range(nsb):
             sbi = tile * nsb + sb
             for c in range(8):
@@ -180,8 +185,10 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
                         vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
             for t in range(t0, t1):
                 term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi, dx[t, sb], bsum, t, sb * 16)
-                oo = (t * Np + tile * 16) * 4
-                vf_store(out, oo, vf_add(vf_load(out, oo), term))
+                ao = (t - t0) * 64
+                vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
+        for t in range(t0, t1):
+            vf_store(out, (t * Np + tile * 16) * 4, vf_load(acc, (t - t0) * 64))
 
 
 # ----------------------------------------------------------------------------- float weights
@@ -343,7 +350,20 @@ def needs(weight: Weight) -> str:
 
 
 def matmul_into(weight: Weight, act: QuantActivations, out: np.ndarray) -> None:
-    """out[:, :] = act.x @ W.T with ``out`` float32 (n, padded_rows)."""
+    """out[:, :] = act.x @ W.T with ``out`` float32 (n, padded_rows), C-contiguous.
+
+    Raises:
+        ValueError: mismatched shapes, or activations lacking the form the weight reads.
+    """
+    n, K = act.x.shape
+    if K != weight.K:
+        raise ValueError(f"matmul: x has {K} features, weight expects {weight.K}")
+    if (out.dtype != np.float32 or out.shape != (n, weight.padded_rows)
+            or not out.flags.c_contiguous):
+        raise ValueError(f"matmul: out must be C-contiguous float32 {(n, weight.padded_rows)}")
+    kind = needs(weight)
+    if kind != "float" and getattr(act, kind) is None:
+        raise ValueError(f"matmul: {weight.type_name} reads {kind} activations, which were not made")
     matmul_kernel(weight.packed, act.q32 or _NO_Q32, act.q256 or _NO_Q256, act.x, out)
 
 
@@ -360,8 +380,6 @@ def matmul(weight: Weight, x: np.ndarray | QuantActivations) -> np.ndarray:
         kind = needs(weight)
         x = quantize(x, need32=(kind == "q32"), need256=(kind == "q256"))
     n = x.x.shape[0]
-    if x.x.shape[1] != weight.K:
-        raise ValueError(f"matmul: x has {x.x.shape[1]} features, weight expects {weight.K}")
     out = np.empty((n, weight.padded_rows), np.float32)
     matmul_into(weight, x, out)
     return out if weight.padded_rows == weight.N else np.ascontiguousarray(out[:, :weight.N])

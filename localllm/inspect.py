@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gguf import LlamaFileType
 
-KV_BYTES_PER_VALUE = 4  # the CPU backend keeps keys and values in float32
+KV_BYTES_PER_VALUE = 2  # the CPU backend keeps keys and values in float16
 
 
 def _file_type_name(value) -> str | None:
@@ -91,7 +91,7 @@ def format_description(path: Path, d: dict, show_all: bool = False) -> str:
         f"vocabulary:     {d['vocab_size']} ({d['tokenizer']})",
         f"chat template:  {'yes' if d['chat_template'] else 'no'}",
         f"weights:        {d['weight_bytes'] / 1e6:.1f} MB",
-        f"KV cache:       {d['kv_bytes_per_1k'] / 1e6:.1f} MB per 1k tokens (float32)",
+        f"KV cache:       {d['kv_bytes_per_1k'] / 1e6:.1f} MB per 1k tokens (float16)",
         f"tensors:        {d['n_tensors']}",
     ]
     for t, (count, nbytes) in d["tensor_types"].items():

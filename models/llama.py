@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from localllm.backends.base import RopeSpec
 
+from .block import BlockSpec, BlockWeights, run_block
 from .common import ModelError, WeightLoader, meta_float, meta_get, meta_int
 
 
@@ -67,23 +68,25 @@ class ModelArgs:
                              f"{self.head_dim}")
 
 
-class Layer:
-    def __init__(self, w: WeightLoader, i: int, a: ModelArgs):
-        p = f"blk.{i}."
-        qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        self.attn_norm = w.vector(p + "attn_norm.weight", a.dim)
-        self.wq = w.matrix(p + "attn_q.weight", qd, a.dim)
-        self.wk = w.matrix(p + "attn_k.weight", kvd, a.dim)
-        self.wv = w.matrix(p + "attn_v.weight", kvd, a.dim)
-        self.qkv_bias = [w.optional_vector(p + f"attn_{x}.bias", n)
-                         for x, n in (("q", qd), ("k", kvd), ("v", kvd))]
-        if not any(b is not None for b in self.qkv_bias):
-            self.qkv_bias = None
-        self.wo = w.matrix(p + "attn_output.weight", a.dim, qd)
-        self.ffn_norm = w.vector(p + "ffn_norm.weight", a.dim)
-        self.w_gate = w.matrix(p + "ffn_gate.weight", a.hidden_dim, a.dim)
-        self.w_up = w.matrix(p + "ffn_up.weight", a.hidden_dim, a.dim)
-        self.w_down = w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim)
+def load_block(w: WeightLoader, i: int, a: ModelArgs) -> BlockWeights:
+    """Layer i's tensors (llama naming; biases are optional, as in Qwen2-style files)."""
+    p = f"blk.{i}."
+    qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    bq, bk, bv = (w.optional_vector(p + f"attn_{x}.bias", n)
+                  for x, n in (("q", qd), ("k", kvd), ("v", kvd)))
+    if (bq is None) != (bk is None) or (bq is None) != (bv is None):
+        raise ModelError(f"layer {i}: q/k/v biases must be all present or all absent")
+    return BlockWeights(
+        attn_norm=w.vector(p + "attn_norm.weight", a.dim),
+        wq=w.matrix(p + "attn_q.weight", qd, a.dim),
+        wk=w.matrix(p + "attn_k.weight", kvd, a.dim),
+        wv=w.matrix(p + "attn_v.weight", kvd, a.dim),
+        wo=w.matrix(p + "attn_output.weight", a.dim, qd),
+        ffn_norm=w.vector(p + "ffn_norm.weight", a.dim),
+        w_gate=w.matrix(p + "ffn_gate.weight", a.hidden_dim, a.dim),
+        w_up=w.matrix(p + "ffn_up.weight", a.hidden_dim, a.dim),
+        w_down=w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim),
+        bq=bq, bk=bk, bv=bv)
 
 
 class Model:
@@ -101,11 +104,19 @@ class Model:
             freq = self.be.to_numpy(w.vector("rope_freqs.weight", a.n_rot // 2))
         self.rope = RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq)
         self.tok_embd = w.embedding("token_embd.weight", a.vocab_size, a.dim)
-        self.layers = [Layer(w, i, a) for i in range(a.n_layers)]
+        self.blocks = [self.load_block(w, i) for i in range(a.n_layers)]
+        self.specs = [self.block_spec(i) for i in range(a.n_layers)]
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
         self.output = w.matrix(name, a.vocab_size, a.dim)
-        self.attn_scale = 1.0 / math.sqrt(a.head_dim)
+
+    def load_block(self, w: WeightLoader, i: int) -> BlockWeights:
+        return load_block(w, i, self.args)
+
+    def block_spec(self, i: int) -> BlockSpec:
+        a = self.args
+        return BlockSpec(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, self.rope,
+                         1.0 / math.sqrt(a.head_dim), 0, self.activation)
 
     def new_cache(self, ctx: int) -> list:
         a = self.args
@@ -113,21 +124,6 @@ class Model:
 
     def embed(self, ids):
         return self.be.embed(self.tok_embd, ids)
-
-    def attention_block(self, L: Layer, x, positions, cache):
-        a, be = self.args, self.be
-        h = be.rms_norm(x, L.attn_norm, a.norm_eps)
-        q, k, v = be.linear(h, [L.wq, L.wk, L.wv], L.qkv_bias)
-        q = be.rope(q, a.n_heads, positions, self.rope)
-        k = be.rope(k, a.n_kv_heads, positions, self.rope)
-        o = be.attention(q, k, v, cache, positions, a.n_heads, self.attn_scale)
-        return be.add(x, be.linear(o, [L.wo])[0])
-
-    def ffn_block(self, L: Layer, x):
-        a, be = self.args, self.be
-        h = be.rms_norm(x, L.ffn_norm, a.norm_eps)
-        gate, up = be.linear(h, [L.w_gate, L.w_up])
-        return be.add(x, be.linear(be.glu(gate, up, self.activation), [L.w_down])[0])
 
     def forward(self, ids, positions, cache, logit_rows):
         """Run tokens ``ids`` at ``positions`` through the model, filling ``cache``.
@@ -139,9 +135,8 @@ class Model:
             Backend array (len(logit_rows), vocab_size), or None if no rows are wanted.
         """
         x = self.embed(ids)
-        for L, c in zip(self.layers, cache):
-            x = self.attention_block(L, x, positions, c)
-            x = self.ffn_block(L, x)
+        for block, spec, c in zip(self.blocks, self.specs, cache):
+            x = run_block(self.be, x, block, spec, positions, c)
         if len(logit_rows) == 0:
             return None
         x = self.be.select_rows(x, logit_rows)

@@ -1,0 +1,235 @@
+"""The CPU backend's decoder block as one Numba call: the same row and tile kernels that the
+op-by-op path uses, in the same order, without a Python round trip between them.
+
+Absent optional tensors (biases, QK-norm, post-norms) are passed as empty arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from localllm.kernels import attention as attn_k
+from localllm.kernels import packing as P
+from localllm.kernels.actquant import quantize_q8_32_row, quantize_q8_256_row
+from localllm.kernels.matmul import matmul_tile
+from localllm.kernels.ops import (add_row, gelu_tanh_mul_row, rms_norm_row, rope_row,
+                                  silu_mul_row)
+
+
+def reads(w):
+    """(reads 32-block activations, reads 256-block activations) for a packed weight."""
+
+
+@overload(reads, inline="always")
+def _ol_reads(w):
+    name = w.instance_class.__name__[len("Packed"):]
+    r32 = name not in P.SUPERBLOCK_FORMATS and name not in P.FLOAT_FORMATS
+    r256 = name in P.SUPERBLOCK_FORMATS
+    return lambda w: (r32, r256)
+
+
+@njit(cache=True)
+def _acts(n, K, need32, need256):
+    """Buffers for one input's quantized forms (empty when not needed)."""
+    m32 = n if need32 else 0
+    m256 = n if need256 else 0
+    a32 = (np.empty((m32, K), np.int8), np.empty((m32, K // 32), np.float32),
+           np.empty((m32, K // 32), np.int32), np.empty((m32, K // 32), np.float32))
+    a256 = (np.empty((m256, K), np.int8), np.empty((m256, K // 256), np.float32),
+            np.empty((m256, K // 16), np.int32))
+    return a32, a256
+
+
+@njit(cache=True, inline="always")
+def _prep_row(t, x, norm_w, eps, h, a32, a256):
+    """Row t: optional RMSNorm of x into h, then its quantized forms."""
+    if norm_w.size > 0:
+        rms_norm_row(x[t], norm_w, eps, h[t])
+    if a32[0].shape[0] > 0:
+        quantize_q8_32_row(h[t], a32[0][t], a32[1][t], a32[2][t], a32[3][t])
+    if a256[0].shape[0] > 0:
+        quantize_q8_256_row(h[t], a256[0][t], a256[1][t], a256[2][t])
+
+
+@njit(cache=True, parallel=True)
+def prepare(x, norm_w, eps, h, a32, a256):
+    """h = rmsnorm(x) (or h as given when norm_w is empty), quantized for the matmuls."""
+    n = x.shape[0]
+    if n == 1:
+        _prep_row(0, x, norm_w, eps, h, a32, a256)
+    else:
+        for t in prange(n):
+            _prep_row(t, x, norm_w, eps, h, a32, a256)
+
+
+@njit(cache=True, parallel=True)
+def linear3(w1, w2, w3, a32, a256, h, o1, o2, o3):
+    """Three matmuls reading the same input, their tiles in one parallel loop."""
+    n1 = o1.shape[1] // 16
+    n2 = o2.shape[1] // 16
+    n3 = o3.shape[1] // 16
+    for j in prange(n1 + n2 + n3):
+        if j < n1:
+            matmul_tile(w1, j, a32, a256, h, o1)
+        elif j < n1 + n2:
+            matmul_tile(w2, j - n1, a32, a256, h, o2)
+        else:
+            matmul_tile(w3, j - n1 - n2, a32, a256, h, o3)
+
+
+@njit(cache=True, parallel=True)
+def linear2(w1, w2, a32, a256, h, o1, o2):
+    """Two matmuls reading the same input, their tiles in one parallel loop."""
+    n1 = o1.shape[1] // 16
+    n2 = o2.shape[1] // 16
+    for j in prange(n1 + n2):
+        if j < n1:
+            matmul_tile(w1, j, a32, a256, h, o1)
+        else:
+            matmul_tile(w2, j - n1, a32, a256, h, o2)
+
+
+@njit(cache=True, parallel=True)
+def linear1(w, a32, a256, h, o):
+    for j in prange(o.shape[1] // 16):
+        matmul_tile(w, j, a32, a256, h, o)
+
+
+@njit(cache=True, inline="always")
+def _qk_row(t, q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd):
+    if bq.size > 0:
+        add_row(q[t], bq)
+        add_row(k[t], bk)
+        add_row(v[t], bv)
+    for h in range(q.shape[1] // hd):
+        qh = q[t, h * hd:(h + 1) * hd]
+        if q_norm.size > 0:
+            rms_norm_row(qh, q_norm, eps, qh)
+        rope_row(qh, cos[t], sin[t], neox)
+    for h in range(k.shape[1] // hd):
+        kh = k[t, h * hd:(h + 1) * hd]
+        if k_norm.size > 0:
+            rms_norm_row(kh, k_norm, eps, kh)
+        rope_row(kh, cos[t], sin[t], neox)
+
+
+@njit(cache=True, parallel=True)
+def qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd):
+    """Biases, QK-norm and rotary embedding of every head, in place."""
+    n = q.shape[0]
+    if n == 1:
+        _qk_row(0, q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
+    else:
+        for t in prange(n):
+            _qk_row(t, q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
+
+
+@njit(cache=True, inline="always")
+def _residual_row(t, x, y, post_norm, eps):
+    if post_norm.size > 0:
+        rms_norm_row(y[t], post_norm, eps, y[t])
+    add_row(x[t], y[t])
+
+
+@njit(cache=True, parallel=True)
+def residual(x, y, post_norm, eps):
+    """x += (post_norm ? rmsnorm(y) : y)."""
+    n = x.shape[0]
+    if n == 1:
+        _residual_row(0, x, y, post_norm, eps)
+    else:
+        for t in prange(n):
+            _residual_row(t, x, y, post_norm, eps)
+
+
+@njit(cache=True, inline="always")
+def _glu_row(t, gate, up, out, gelu):
+    if gelu:
+        gelu_tanh_mul_row(gate[t], up[t], out[t])
+    else:
+        silu_mul_row(gate[t], up[t], out[t])
+
+
+@njit(cache=True, parallel=True)
+def glu(gate, up, out, gelu):
+    n = gate.shape[0]
+    if n == 1:
+        _glu_row(0, gate, up, out, gelu)
+    else:
+        for t in prange(n):
+            _glu_row(t, gate, up, out, gelu)
+
+
+@njit(cache=True, parallel=True)
+def decoder_block(x, w, cfg, K, V, positions, cos, sin):
+    """One decoder block for n tokens, in place on x (n, dim).
+
+    Args:
+        x: float32 (n, dim) hidden states, updated in place.
+        w: tuple (attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo, post_attn_norm,
+           ffn_norm, w_gate, w_up, w_down, post_ffn_norm) of arrays / packed weights.
+        cfg: (eps, n_heads, n_kv_heads, head_dim, neox, window, attn_scale, gelu, hidden,
+              q_rows, kv_rows, hidden_rows, dim_rows): the last four are the padded output
+              widths (whole 16-row tiles) of the projections.
+        K, V: this layer's cache; positions: int64 (n,); cos, sin: (n, n_rot // 2) tables.
+    """
+    (attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo, post_attn_norm,
+     ffn_norm, w_gate, w_up, w_down, post_ffn_norm) = w
+    (eps, n_heads, n_kv, hd, neox, window, scale, gelu, hidden,
+     q_rows, kv_rows, f_rows, d_rows) = cfg
+    n, dim = x.shape
+
+    # attention
+    r1, s1 = reads(wq)
+    r2, s2 = reads(wk)
+    r3, s3 = reads(wv)
+    h = np.empty_like(x)
+    a32, a256 = _acts(n, dim, r1 or r2 or r3, s1 or s2 or s3)
+    prepare(x, attn_norm, eps, h, a32, a256)
+    q = np.empty((n, q_rows), np.float32)
+    k = np.empty((n, kv_rows), np.float32)
+    v = np.empty((n, kv_rows), np.float32)
+    linear3(wq, wk, wv, a32, a256, h, q, k, v)
+    qd, kvd = n_heads * hd, n_kv * hd
+    q = q[:, :qd].copy() if q_rows != qd else q
+    k = k[:, :kvd].copy() if kv_rows != kvd else k
+    v = v[:, :kvd].copy() if kv_rows != kvd else v
+    qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
+    attn_k.kv_write(K, V, k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd), positions)
+    o = np.empty((n, n_heads, hd), np.float32)
+    attn_k.attend(q.reshape(n, n_heads, hd), K, V, positions, window, scale, o)
+    o2 = o.reshape(n, qd)
+    r, s = reads(wo)
+    b32, b256 = _acts(n, qd, r, s)
+    prepare(o2, np.empty(0, np.float32), eps, o2, b32, b256)
+    y = np.empty((n, d_rows), np.float32)
+    linear1(wo, b32, b256, o2, y)
+    y = y[:, :dim].copy() if d_rows != dim else y
+    residual(x, y, post_attn_norm, eps)
+
+    # feed-forward
+    r1, s1 = reads(w_gate)
+    r2, s2 = reads(w_up)
+    c32, c256 = _acts(n, dim, r1 or r2, s1 or s2)
+    prepare(x, ffn_norm, eps, h, c32, c256)
+    gate = np.empty((n, f_rows), np.float32)
+    up = np.empty((n, f_rows), np.float32)
+    linear2(w_gate, w_up, c32, c256, h, gate, up)
+    if f_rows != hidden:
+        gate = gate[:, :hidden].copy()
+        up = up[:, :hidden].copy()
+    act = np.empty((n, hidden), np.float32)
+    glu(gate, up, act, gelu)
+    r, s = reads(w_down)
+    e32, e256 = _acts(n, hidden, r, s)
+    prepare(act, np.empty(0, np.float32), eps, act, e32, e256)
+    y2 = np.empty((n, d_rows), np.float32)
+    linear1(w_down, e32, e256, act, y2)
+    y2 = y2[:, :dim].copy() if d_rows != dim else y2
+    # The last residual runs here (not through residual()) so that this function holds a
+    # parallel loop itself: Numba then starts its thread pool whenever it loads this kernel
+    # from the cache, which the parallel kernels it calls rely on.
+    for t in prange(n):
+        _residual_row(t, x, y2, post_ffn_norm, eps)

@@ -1,0 +1,87 @@
+"""The pre-norm decoder block that llama-family and Gemma 3 layers are instances of, and its
+reference composition from backend operations.
+
+An architecture describes its layers as BlockWeights (GGUF tensors, optional parts None) and
+a BlockSpec; a backend may run the whole block natively (``Backend.decoder_block``), and must
+then give the same bits as ``compose_block``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from localllm.backends.base import RopeSpec
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What varies between architectures' decoder blocks."""
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope: RopeSpec
+    attn_scale: float
+    window: int = 0              # sliding-window attention span, 0 for global
+    activation: str = "silu"     # gated FFN activation: 'silu' or 'gelu_tanh'
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One layer's tensors as uploaded to the backend; optional ones are None."""
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    ffn_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+    q_norm: Any = None           # per-head RMSNorm of queries / keys (QK-norm)
+    k_norm: Any = None
+    post_attn_norm: Any = None   # RMSNorm of the attention / FFN output before the residual
+    post_ffn_norm: Any = None
+
+
+def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, cache):
+    """One decoder block from backend operations (the reference for native blocks).
+
+    Args:
+        be: the backend; x: (n, dim) hidden states; positions: (n,) token positions;
+        cache: this layer's KV cache.
+    Returns:
+        The new hidden states (n, dim); ``x`` may be updated in place.
+    """
+    s = spec
+    h = be.rms_norm(x, w.attn_norm, s.norm_eps)
+    biases = [w.bq, w.bk, w.bv] if w.bq is not None else None
+    q, k, v = be.linear(h, [w.wq, w.wk, w.wv], biases)
+    if w.q_norm is not None:
+        q = be.head_norm(q, s.n_heads, w.q_norm, s.norm_eps)
+        k = be.head_norm(k, s.n_kv_heads, w.k_norm, s.norm_eps)
+    q = be.rope(q, s.n_heads, positions, s.rope)
+    k = be.rope(k, s.n_kv_heads, positions, s.rope)
+    o = be.attention(q, k, v, cache, positions, s.n_heads, s.attn_scale, s.window)
+    o = be.linear(o, [w.wo])[0]
+    if w.post_attn_norm is not None:
+        o = be.rms_norm(o, w.post_attn_norm, s.norm_eps)
+    x = be.add(x, o)
+    h = be.rms_norm(x, w.ffn_norm, s.norm_eps)
+    gate, up = be.linear(h, [w.w_gate, w.w_up])
+    y = be.linear(be.glu(gate, up, s.activation), [w.w_down])[0]
+    if w.post_ffn_norm is not None:
+        y = be.rms_norm(y, w.post_ffn_norm, s.norm_eps)
+    return be.add(x, y)
+
+
+def run_block(be, x, w: BlockWeights, spec: BlockSpec, positions, cache):
+    """The block on the backend's native path when it has one, else composed from ops."""
+    native = getattr(be, "decoder_block", None)
+    if native is not None:
+        return native(x, w, spec, positions, cache)
+    return compose_block(be, x, w, spec, positions, cache)
