@@ -25,8 +25,16 @@ class Backend(Protocol):
 
     name: str
 
-    def upload_matrix(self, name: str, type_name: str, raw: Any, N: int, K: int) -> Any:
-        """Keep a weight matrix (N out, K in) from GGUF bytes; quantized where possible."""
+    def begin_model(self, gguf_path: Any) -> None:
+        """Called before a model's tensors are uploaded (e.g. to reuse stored conversions)."""
+
+    def end_model(self) -> None:
+        """Called after all tensors of the model are uploaded."""
+
+    def upload_matrix(self, name: str, type_name: str, raw: Any, N: int, K: int,
+                      done: Any = None) -> Any:
+        """Keep a weight matrix (N out, K in) from GGUF bytes; quantized where possible.
+        ``done(start, end)``, if given, may be called for byte ranges no longer needed."""
 
     def upload_vector(self, values: Any) -> Any:
         """Keep a float32 1-D tensor (norm weights, biases)."""

@@ -19,6 +19,7 @@ from localllm.kernels import ops
 
 from . import cpu_block
 from .base import RopeSpec
+from .cpu_store import PackedStore
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -82,19 +83,48 @@ class CpuBackend:
     """Backend on the host CPU."""
 
     name = "cpu"
+    copies_weights = True  # matrices are repacked, so the file's pages can be dropped
 
-    def __init__(self, threads: int | None = None, fused: bool = True):
+    def __init__(self, threads: int | None = None, fused: bool = True,
+                 weight_cache: str | os.PathLike | None = None):
+        """Args:
+            threads: kernel threads (None: Numba's default).
+            fused: run decoder blocks as one kernel call (same bits as op by op).
+            weight_cache: directory for repacked-weight files reused across loads (None: off).
+        """
         if threads:
             set_threads(threads)
         self._tables: dict[tuple, tuple] = {}
         self._blocks: dict[int, tuple] = {}
+        self._weight_cache = weight_cache
+        self._store = None
+        self._rope_memo = None
         if not fused:  # op-by-op (the models' reference composition); same bits, slower
             self.decoder_block = None
 
     # ---- weights -------------------------------------------------------------------
 
-    def upload_matrix(self, name, type_name, raw, N, K):
-        return mm.pack(type_name, raw, N, K)
+    def begin_model(self, gguf_path) -> None:
+        """Look for (or start) the repacked-weight file of the model about to be loaded."""
+        if self._weight_cache is not None:
+            self._store = PackedStore(self._weight_cache, gguf_path)
+
+    def end_model(self) -> None:
+        """Write the repacked-weight file if this load had to pack."""
+        if self._store is not None:
+            self._store.save()
+            self._store = None
+
+    def upload_matrix(self, name, type_name, raw, N, K, done=None):
+        store = self._store
+        if store is not None:
+            w = store.get(name, type_name, N, K)
+            if w is not None:
+                return w
+        w = mm.pack(type_name, raw, N, K, done)
+        if store is not None:
+            store.add(name, w)
+        return w
 
     def upload_vector(self, values):
         return np.ascontiguousarray(values, dtype=np.float32)
@@ -173,10 +203,15 @@ class CpuBackend:
             entry = (w, _block_args(w, spec))
             self._blocks[id(w)] = entry
         weights, cfg = entry[1]
-        cos, sin = self._rope_table(positions, spec.rope)
-        x = np.array(x, dtype=np.float32, order="C")  # updated in place by the kernel
-        cpu_block.decoder_block(x, weights, cfg, cache.K, cache.V,
-                                np.asarray(positions, np.int64), cos, sin)
+        # Every layer of one forward pass sees the same positions: look the rotary tables
+        # up once per (positions, spec) rather than once per layer.
+        memo = self._rope_memo
+        if memo is None or memo[0] is not positions or memo[1] is not spec.rope:
+            cos, sin = self._rope_table(positions, spec.rope)
+            memo = self._rope_memo = (positions, spec.rope, cos, sin,
+                                      np.asarray(positions, np.int64))
+        x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel
+        cpu_block.decoder_block(x, weights, cfg, cache.K, cache.V, memo[4], memo[2], memo[3])
         return x
 
     def glu(self, gate, up, act):
@@ -198,3 +233,7 @@ class CpuBackend:
 
     def to_numpy(self, x):
         return x
+
+    def logsumexp(self, logits) -> float:
+        """log(sum(exp(logits))) of one row, vectorized (for the chosen token's log-prob)."""
+        return float(ops.logsumexp(np.ascontiguousarray(logits, dtype=np.float32)))

@@ -26,9 +26,10 @@ from .actquant import quantize_q8_32, quantize_q8_256
 from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    vf_store, vf_sub, vf_zero, vi_add, vi_load, vi_load_i8, vi_mul, vi_splat,
                    vi_store, vi_sub, vi_zero)
-from .unpack import dot4, dot8, unpack_chunk
+from .unpack import dot4, dot8, prefetch_chunk, unpack_chunk
 
 TOKENS_PER_PASS = 64  # tokens that share one unpacking of a weight chunk
+PREFETCH_AHEAD = 16    # chunk-tiles ahead whose bytes are requested early
 
 
 # ----------------------------------------------------------------------------- 32-wide blocks
@@ -77,6 +78,7 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
             vf_store(acc, t * 64, vf_zero())
         for b in range(nb):
             i = tile * nb + b
+            prefetch_chunk(w, i + PREFETCH_AHEAD)
             v = unpack_chunk(w, i)
             s = block_scales(w, i)
             for t in range(t0, t1):
@@ -174,6 +176,7 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
         for sb in range(nsb):
             sbi = tile * nsb + sb
             for c in range(8):
+                prefetch_chunk(w, sbi * 8 + c + PREFETCH_AHEAD)
                 v = unpack_chunk(w, sbi * 8 + c)
                 scb = sbi * 8 * step + c * step
                 for t in range(t0, t1):
@@ -300,17 +303,18 @@ class Weight:
         return sum(a.nbytes for a in self.packed)
 
 
-def pack(type_name: str, raw: np.ndarray, N: int, K: int) -> Weight:
+def pack(type_name: str, raw: np.ndarray, N: int, K: int, done=None) -> Weight:
     """Repack GGUF tensor bytes (N rows of K elements) for the kernels.
 
     Args:
         type_name: GGML type name.
         raw: uint8 bytes of the tensor.
         N, K: rows and row length.
+        done: optional callback(start, end) for byte ranges of raw already consumed.
     Returns:
         A Weight.
     """
-    return Weight(type_name, N, K, P.pack_weight(type_name, raw, N, K))
+    return Weight(type_name, N, K, P.pack_weight(type_name, raw, N, K, done))
 
 
 def quantize(x: np.ndarray, need32: bool = True, need256: bool = False) -> QuantActivations:

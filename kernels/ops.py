@@ -13,6 +13,7 @@ from . import rowmath
 from .rowmath import (rows_contiguous, vd_hsum, vd_sqacc, vd_zero, vf_dup_hi, vf_dup_lo,
                       vf_gelu_tanh, vf_load_n, vf_neg_even, vf_silu, vf_store_n, vf_swap_pairs)
 from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_sub
+from .vmath import f32_exp2, vf_exp2, vf_hmax, vf_hsum, vf_max
 
 # Numba caches a kernel by its own file's bytes, not rowmath's: this copy of rowmath's version
 # changes with it, so rowmath edits rebuild these kernels.
@@ -317,3 +318,30 @@ def add_inplace(x, y):
     else:
         for t in range(n):
             add_row(x[t], y[t])
+
+
+# ----------------------------------------------------------------------------- log-sum-exp
+
+@njit(cache=True)
+def logsumexp(z):
+    """log(sum(exp(z))) of a float32 vector, computed as max + log(sum(2^((z - max) log2 e)))
+    in 16 lanes with a fixed order (deterministic). Used for the chosen token's log-probability."""
+    n = z.shape[0]
+    n16 = n - n % 16
+    mv = vf_splat(np.float32(-np.inf))
+    for i in range(0, n16, 16):
+        mv = vf_max(mv, vf_load(z, 4 * i))
+    m = vf_hmax(mv)
+    for i in range(n16, n):
+        m = max(m, z[i])
+    if not np.isfinite(m):
+        return np.float64(m)
+    c = np.float32(1.4426950408889634)
+    mneg = vf_splat(-m)
+    acc = vf_splat(np.float32(0.0))
+    for i in range(0, n16, 16):
+        acc = vf_add(acc, vf_exp2(vf_mul(vf_add(vf_load(z, 4 * i), mneg), vf_splat(c))))
+    total = np.float64(vf_hsum(acc))
+    for i in range(n16, n):
+        total += np.float64(f32_exp2((z[i] - m) * c))
+    return np.float64(m) + math.log(total)

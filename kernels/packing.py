@@ -217,6 +217,11 @@ _PACKED = {
 }
 
 
+def packed_class(name: str):
+    """The namedtuple class holding a packed weight of GGML type ``name``."""
+    return _PACKED[name]
+
+
 def _pack_float(name: str, rows: np.ndarray, K: int) -> np.ndarray:
     """Float rows -> [tile][k][row] elements (the element's own width), as bytes."""
     dt = {"F32": np.uint32, "F16": np.uint16, "BF16": np.uint16}[name]
@@ -224,13 +229,15 @@ def _pack_float(name: str, rows: np.ndarray, K: int) -> np.ndarray:
     return pack_row_values(a, K)
 
 
-def pack_weight(name: str, raw: np.ndarray, N: int, K: int):
+def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
     """Repack a GGUF weight matrix for the kernels.
 
     Args:
         name: GGML type name (one of ``quants.SUPPORTED_TYPES``).
         raw: the tensor's bytes, uint8, N rows of ``row_nbytes(name, K)`` each.
         N: output rows; K: row length (input features).
+        done: optional callback(start, end) told which byte range of ``raw`` has been
+            consumed, so a mapped file's pages can be dropped while packing goes on.
     Returns:
         A ``Packed<name>`` namedtuple of flat byte arrays, rows padded to a multiple of 16.
     """
@@ -260,6 +267,8 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int):
                 fields[key] = np.empty(arr.size * Np // (r1 - r0), np.uint8)
             per_row = arr.size // (r1 - r0)
             fields[key][r0 * per_row:r1 * per_row] = arr
+        if done is not None:
+            done(r0 * row_bytes, min(r1, N) * row_bytes)
     if name in ("IQ4_NL", "IQ4_XS"):
         fields["lut"] = _IQ4_LUT
     return _PACKED[name](**fields)

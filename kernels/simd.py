@@ -281,6 +281,20 @@ def vf_store(typingctx, arr, off, v):
     return types.void(arr, off, v), cg
 
 
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Hint that the cache line at byte ``off`` of ``arr`` will be read soon (no fault if past
+    the end: prefetches never trap)."""
+    def cg(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.PointerType(_I8), _I32, _I32, _I32]),
+            "llvm.prefetch.p0")
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, off), cg
+
+
 # ----------------------------------------------------------------------------- integer ops
 
 @intrinsic

@@ -11,8 +11,8 @@ from numba import njit
 from numba.extending import overload
 
 from . import packing as P
-from .simd import (vi_and, vi_bcast4, vi_dpbusd, vi_load, vi_lut16, vi_or, vi_sll, vi_splat,
-                   vi_srl, vi_zero)
+from .simd import (prefetch, vi_and, vi_bcast4, vi_dpbusd, vi_load, vi_lut16, vi_or, vi_sll,
+                   vi_splat, vi_srl, vi_zero)
 
 M01 = 0x01010101
 M03 = 0x03030303
@@ -135,3 +135,20 @@ def _ol_unpack_chunk(w, ct):
     if cls is P.PackedQ3_K:
         return lambda w, ct: add_bits(unpack_crumbs(w.qs, ct * 128), w.hb, ct * 64, 2)
     return None
+
+
+def prefetch_chunk(w, ct):
+    """Ask for chunk-tile ``ct``'s quant bytes ahead of use (its scales are much smaller)."""
+
+
+@overload(prefetch_chunk, inline="always")
+def _ol_prefetch_chunk(w, ct):
+    cls = getattr(w, "instance_class", None)
+    size = {P.PackedQ8_0: 512, P.PackedQ2_K: 128, P.PackedQ3_K: 128}.get(cls, 256)
+    lines = size // 64
+
+    def fetch(w, ct):
+        o = ct * size
+        for j in range(lines):
+            prefetch(w.qs, o + 64 * j)
+    return fetch

@@ -38,6 +38,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                    help="chat template: a builtin name or a Jinja file")
     p.add_argument("--models-dir", default=None, help="model cache directory")
+    p.add_argument("--no-weight-cache", action="store_true",
+                   help="repack weights on every load instead of keeping them on disk")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -135,7 +137,7 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     model = load(args.model, ctx_size=args.ctx_size, threads=args.threads,
                  batch_size=args.batch_size, chat_template=args.chat_template,
-                 models_dir=args.models_dir)
+                 models_dir=args.models_dir, weight_cache=not args.no_weight_cache)
     load_s = time.perf_counter() - t0
     if args.raw:
         stream = model.generate(prompt, **sampling)

@@ -40,6 +40,7 @@ class LoadSettings:
     backend: str = "cpu"
     models_dir: str | None = None      # model cache directory override
     download: bool = True              # fetch known model names when not cached
+    weight_cache: bool = True          # keep repacked weights on disk for faster loads
 
 
 def physical_cores() -> int:
@@ -55,7 +56,8 @@ def _make_backend(settings: LoadSettings):
     if settings.backend != "cpu":
         raise EngineError(f"unknown backend {settings.backend!r} (available: cpu)")
     from .backends.cpu import CpuBackend
-    return CpuBackend(threads=settings.threads or physical_cores())
+    cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
+    return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
 
 
 class Session:
@@ -127,7 +129,9 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.resolve(meta, self.settings.chat_template)
         self.backend = _make_backend(self.settings)
+        self.backend.begin_model(self.path)
         self.net = build(meta, WeightLoader(self.file, self.backend))
+        self.backend.end_model()
         self.args = self.net.args
         self.vocab_size = self.args.vocab_size
         ctx = self.settings.ctx_size or min(DEFAULT_CTX, self.args.context_length)
@@ -211,7 +215,8 @@ class Model:
         self.last_stats = stats
         return run_generation(sess.feed, ids, cached, self.ctx - len(ids), params,
                               self.vocab_size, self.tokenizer.stream(continuation=True),
-                              self.tokenizer.is_eog, stats)
+                              self.tokenizer.is_eog, stats,
+                              getattr(self.backend, "logsumexp", None))
 
     def close(self) -> None:
         self.file.close()

@@ -83,7 +83,8 @@ class StopMatcher:
 
 def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence[int],
                    cached: int, room: int, params: SamplingParams, vocab_size: int,
-                   stream, is_eog: Callable[[int], bool], stats: GenerationStats) -> Iterator[Chunk]:
+                   stream, is_eog: Callable[[int], bool], stats: GenerationStats,
+                   logsumexp=None) -> Iterator[Chunk]:
     """Generate from a prompt.
 
     Args:
@@ -94,10 +95,11 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         stream: the tokenizer's incremental decoder for the output.
         is_eog: end-of-generation test.
         stats: filled in as generation proceeds.
+        logsumexp: optional fast log-sum-exp for the log-probabilities.
     Yields:
         Chunk pieces of text.
     """
-    sampler = Sampler(params, vocab_size)
+    sampler = Sampler(params, vocab_size, logsumexp)
     stats.seed = sampler.seed
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = cached

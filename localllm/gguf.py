@@ -523,6 +523,31 @@ class GGUFFile:
             raise ValueError(f"{self.path}: GGUF file is closed")
         return np.frombuffer(self._mm, dtype, info.n_elements, info.offset).reshape(info.shape)
 
+    def release(self, name: str | None = None, start: int = 0, end: int | None = None) -> None:
+        """Drops pages of one tensor (or of the whole file) from this process's memory.
+
+        The mapping stays valid: touched again, pages are read back from the file. Used after
+        weights have been copied into another layout, so they are not held twice.
+
+        Args:
+            name: tensor name, or None for the whole file.
+            start, end: byte range within the tensor (default: all of it).
+        """
+        if self._mm is None or not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if name is None:
+            base, size = 0, self.file_size
+        else:
+            info = self.tensors[name]
+            base, size = info.offset, info.nbytes
+        end = size if end is None else min(end, size)
+        start, end = base + max(0, start), base + end
+        page = mmap.PAGESIZE
+        start -= start % page
+        end = min(self.file_size, -(-end // page) * page)
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         """Releases the mapping. Views handed out earlier stay valid: the mapping is then
         unmapped when the last of them is freed."""

@@ -54,8 +54,13 @@ class SamplingParams:
 class Sampler:
     """Turns a row of logits into a token, given the tokens generated so far."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int):
+    def __init__(self, params: SamplingParams, vocab_size: int, logsumexp=None):
+        """Args:
+            params: the settings; vocab_size: logits width.
+            logsumexp: optional fast log(sum(exp(z))) for the log-probabilities.
+        """
         params.validate()
+        self._lse = logsumexp
         self.p = params
         self.vocab_size = vocab_size
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
@@ -126,7 +131,7 @@ class Sampler:
         if (p.temperature == 0 and not p.logit_bias and p.repeat_penalty == 1.0
                 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
             tok = int(np.argmax(logits))  # plain greedy: no copy of the logits needed
-            return tok, token_logprob(logits, tok)
+            return tok, self.logprob(logits, tok)
         cand, zc = self.candidates(logits, history)
         if cand.size == 1:
             tok = int(cand[0])
@@ -135,7 +140,13 @@ class Sampler:
             c = np.cumsum(w)
             i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
             tok = int(cand[min(i, cand.size - 1)])
-        return tok, token_logprob(logits, tok)
+        return tok, self.logprob(logits, tok)
+
+    def logprob(self, logits: np.ndarray, tok: int) -> float:
+        """log softmax(logits)[tok] under the model's raw distribution."""
+        if self._lse is not None:
+            return float(logits[tok]) - self._lse(logits)
+        return token_logprob(logits, tok)
 
 
 def token_logprob(logits: np.ndarray, tok: int) -> float:

@@ -60,7 +60,11 @@ class WeightLoader:
     def matrix(self, name: str, N: int, K: int):
         """A weight W (N out, K in) uploaded for matmul."""
         info = self._info(name, (N, K))
-        return self.backend.upload_matrix(name, info.type_name, self.file.raw(name), N, K)
+        done = None
+        if getattr(self.backend, "copies_weights", False):
+            # The backend keeps its own copy: drop the file's pages as they are consumed.
+            done = lambda a, b: self.file.release(name, a, b)  # noqa: E731
+        return self.backend.upload_matrix(name, info.type_name, self.file.raw(name), N, K, done)
 
     def vector(self, name: str, n: int):
         """A float 1-D tensor (norm weight or bias) as float32."""

@@ -80,8 +80,8 @@ def decode_weight_bytes(m) -> int:
     """Bytes of weights one decode step reads: every layer matrix plus the output head."""
     net = m.net
     total = net.output.nbytes
-    for L in net.layers:
-        for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down):
+    for b in net.blocks:
+        for w in (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down):
             total += w.nbytes
     return int(total)
 
@@ -119,13 +119,21 @@ def worker_llama(path: str, ids: list[int], threads: int, reps: int) -> dict:
     return out
 
 
-def oneshot_llama(path: str, threads: int) -> None:
-    """What `llm run -n 32` does, through llama-cpp-python (timed from outside)."""
+def oneshot_llama(path: str, threads: int, prompt: str) -> None:
+    """What `llm run -n 32` does, through llama-cpp-python (timed from outside); ``prompt``
+    is the conversation already rendered with the model's chat template."""
     import llama_cpp
     llm = llama_cpp.Llama(path, n_ctx=4096, n_threads=threads, verbose=False)
-    r = llm.create_chat_completion([{"role": "user", "content": ONESHOT_PROMPT}],
-                                   max_tokens=ONESHOT_TOKENS, temperature=0.8, seed=1)
-    sys.stdout.write(r["choices"][0]["message"]["content"] + "\n")
+    # Both engines generate exactly ONESHOT_TOKENS: end-of-generation tokens are banned here
+    # as --ignore-eos does for localllm.
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    banned = {int(llama_cpp.llama_vocab_eos(vocab)), int(llama_cpp.llama_vocab_eot(vocab))}
+    bias = {t: -100.0 for t in banned if t >= 0}
+    r = llm.create_completion(prompt, max_tokens=ONESHOT_TOKENS, temperature=0.8, seed=1,
+                              logit_bias=bias)
+    if r["usage"]["completion_tokens"] != ONESHOT_TOKENS:
+        raise SystemExit(f"llama.cpp generated {r['usage']['completion_tokens']} tokens")
+    sys.stdout.write(r["choices"][0]["text"] + "\n")
 
 
 # ----------------------------------------------------------------------------- driver
@@ -178,13 +186,19 @@ def time_command(cmd: list[str], env: dict, runs: int) -> float:
 def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     ours = [sys.executable, "-m", "localllm.cli", "run", path, "-p", ONESHOT_PROMPT,
-            "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1"]
+            "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1", "--ignore-eos"]
     out = {}
     with tempfile.TemporaryDirectory() as cold_cache:
         out["localllm_cold_s"] = time_command(ours, {**env, "NUMBA_CACHE_DIR": cold_cache}, 1)
         out["localllm_warm_s"] = time_command(ours, {**env, "NUMBA_CACHE_DIR": cold_cache}, runs)
     if llama_python:
-        cmd = [llama_python, __file__, "--oneshot-llama", path, "--threads", str(threads)]
+        from localllm.chat_template import ChatTemplate
+        from localllm.gguf import GGUFFile
+        with GGUFFile(path) as f:
+            rendered = ChatTemplate.resolve(f.metadata).render(
+                [{"role": "user", "content": ONESHOT_PROMPT}])
+        cmd = [llama_python, __file__, "--oneshot-llama", path, "--threads", str(threads),
+               "--prompt", rendered]
         out["llama_cpp_s"] = time_command(cmd, env, runs)
     return out
 
@@ -242,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--oneshot-llama", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.worker:
@@ -250,7 +265,7 @@ def main(argv=None) -> int:
         print(json.dumps(fn(args.models[0], ids, args.threads, args.reps)))
         return 0
     if args.oneshot_llama:
-        oneshot_llama(args.oneshot_llama, args.threads)
+        oneshot_llama(args.oneshot_llama, args.threads, args.prompt)
         return 0
 
     from localllm.fetch import resolve_model_path
