@@ -24,9 +24,10 @@ from numba.extending import overload
 from . import packing as P
 from .actquant import quantize_q8_32, quantize_q8_256
 from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
-                   vf_store, vf_sub, vf_zero, vi_add, vi_load, vi_load_i8, vi_mul, vi_splat,
-                   vi_store, vi_sub, vi_zero)
+                   vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load, vi_load_i8, vi_mul,
+                   vi_sll, vi_splat, vi_store, vi_sub, vi_zero)
 from .unpack import dot4, dot8, prefetch_chunk, unpack_chunk
+from .vmath import vf_bcast
 
 TOKENS_PER_PASS = 64  # tokens that share one unpacking of a weight chunk
 PREFETCH_AHEAD = 16    # chunk-tiles ahead whose bytes are requested early
@@ -45,22 +46,26 @@ def _ol_block_scales(w, i):
     return lambda w, i: (vf_load_f16(w.d, i * 32), vf_zero())
 
 
-def block_term(w, isum, s, dx, xs, sx):
-    """The float contribution of one 32-wide block to 16 outputs."""
+def block_term(w, isum, s, dx, xs, sx, o):
+    """The float contribution of one 32-wide block to 16 outputs; the activation block's
+    scale, integer sum and scaled sum are at byte offset ``o`` of dx, xs, sx."""
 
 
 @overload(block_term, inline="always")
-def _ol_block_term(w, isum, s, dx, xs, sx):
+def _ol_block_term(w, isum, s, dx, xs, sx, o):
+    # Scalars are broadcast straight from memory by byte offset: indexing dx[t, b] would
+    # make Numba emit negative-index wraparound arithmetic in the innermost loop.
     cls = w.instance_class
     if cls in (P.PackedQ4_1, P.PackedQ5_1):
-        def term_min(w, isum, s, dx, xs, sx):
-            return vf_add(vf_mul(vf_from_vi(isum), vf_mul(s[0], vf_splat(dx))),
-                          vf_mul(s[1], vf_splat(sx)))
+        def term_min(w, isum, s, dx, xs, sx, o):
+            return vf_add(vf_mul(vf_from_vi(isum), vf_mul(s[0], vf_bcast(dx, o))),
+                          vf_mul(s[1], vf_bcast(sx, o)))
         return term_min
-    off = {P.PackedQ4_0: 8, P.PackedQ5_0: 16, P.PackedQ8_0: 128, P.PackedIQ4_NL: 128}[cls]
+    shift = {P.PackedQ4_0: 3, P.PackedQ5_0: 4, P.PackedQ8_0: 7, P.PackedIQ4_NL: 7}[cls]
 
-    def term_offset(w, isum, s, dx, xs, sx):
-        return vf_mul(vf_from_vi(vi_sub(isum, vi_splat(off * xs))), vf_mul(s[0], vf_splat(dx)))
+    def term_offset(w, isum, s, dx, xs, sx, o):  # offset * sum as a shift: exact in int32
+        return vf_mul(vf_from_vi(vi_sub(isum, vi_sll(vi_bcast4(xs, o), shift))),
+                      vf_mul(s[0], vf_bcast(dx, o)))
     return term_offset
 
 
@@ -84,7 +89,7 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
             for t in range(t0, t1):
                 isum = dot8(v, xq, t * K + b * 32)
                 ao = (t - t0) * 64
-                term = block_term(w, isum, s, dx[t, b], xs[t, b], sx[t, b])
+                term = block_term(w, isum, s, dx, xs, sx, (t * nb + b) * 4)
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
         for t in range(t0, t1):
             vf_store(out, (t * Np + tile * 16) * 4, vf_load(acc, (t - t0) * 64))
@@ -121,42 +126,44 @@ def _ol_sub_scale_offset(w):
 
 
 @njit(inline="always")
-def _weighted_bsums(scales, so, bsum, t, j0, n_sub):
-    """sum over sub-blocks j of scales_j (16 lanes) * activation sum of sub-block j."""
+def _weighted_bsums(scales, so, bsum, bo, n_sub):
+    """sum over sub-blocks j of scales_j (16 lanes) * activation sum of sub-block j; the
+    superblock's 16-wide activation sums start at byte ``bo`` of bsum."""
     acc = vi_zero()
     if n_sub == 16:
         for j in range(16):
-            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), vi_splat(bsum[t, j0 + j])))
+            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), vi_bcast4(bsum, bo + 4 * j)))
     else:
         for j in range(8):
-            s32 = bsum[t, j0 + 2 * j] + bsum[t, j0 + 2 * j + 1]
-            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), vi_splat(s32)))
+            s32 = vi_add(vi_bcast4(bsum, bo + 8 * j), vi_bcast4(bsum, bo + 8 * j + 4))
+            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), s32))
     return acc
 
 
-def super_term(w, isum, sbi, dx, bsum, t, j0):
-    """The float contribution of one superblock-tile to 16 outputs."""
+def super_term(w, isum, sbi, dx, do, bsum, bo):
+    """The float contribution of one superblock-tile to 16 outputs (the activation scale at
+    byte ``do`` of dx, its 16-wide sums from byte ``bo`` of bsum)."""
 
 
 @overload(super_term, inline="always")
-def _ol_super_term(w, isum, sbi, dx, bsum, t, j0):
+def _ol_super_term(w, isum, sbi, dx, do, bsum, bo):
     cls = w.instance_class
     if cls in (P.PackedQ2_K, P.PackedQ4_K, P.PackedQ5_K):
         n_sub = 16 if cls is P.PackedQ2_K else 8
 
-        def term_min(w, isum, sbi, dx, bsum, t, j0):
-            msum = _weighted_bsums(w.mn, sbi * n_sub * 16, bsum, t, j0, n_sub)
-            dxv = vf_splat(dx)
+        def term_min(w, isum, sbi, dx, do, bsum, bo):
+            msum = _weighted_bsums(w.mn, sbi * n_sub * 16, bsum, bo, n_sub)
+            dxv = vf_bcast(dx, do)
             return vf_sub(vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), dxv), vf_from_vi(isum)),
                           vf_mul(vf_mul(vf_load_f16(w.dmin, sbi * 32), dxv), vf_from_vi(msum)))
         return term_min
-    off = {P.PackedQ6_K: 32, P.PackedQ3_K: 4, P.PackedIQ4_XS: 128}[cls]
+    shift = {P.PackedQ6_K: 5, P.PackedQ3_K: 2, P.PackedIQ4_XS: 7}[cls]
     n_sub = 8 if cls is P.PackedIQ4_XS else 16
 
-    def term_offset(w, isum, sbi, dx, bsum, t, j0):
-        osum = _weighted_bsums(w.sc, sbi * n_sub * 16, bsum, t, j0, n_sub)
-        total = vi_sub(isum, vi_mul(osum, vi_splat(off)))
-        return vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), vf_splat(dx)), vf_from_vi(total))
+    def term_offset(w, isum, sbi, dx, do, bsum, bo):  # offset 32 / 4 / 128 as a shift
+        osum = _weighted_bsums(w.sc, sbi * n_sub * 16, bsum, bo, n_sub)
+        total = vi_sub(isum, vi_sll(osum, shift))
+        return vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), vf_bcast(dx, do)), vf_from_vi(total))
     return term_offset
 
 
@@ -187,7 +194,8 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
                     else:
                         vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
             for t in range(t0, t1):
-                term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi, dx[t, sb], bsum, t, sb * 16)
+                term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi,
+                                  dx, (t * nsb + sb) * 4, bsum, (t * (K // 16) + sb * 16) * 4)
                 ao = (t - t0) * 64
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
         for t in range(t0, t1):
