@@ -172,6 +172,14 @@ def run_worker(python: str, engine: str, path: str, ids: list[int], threads: int
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _median_run(runs: list) -> dict | None:
+    """Per-figure medians over several worker results (None if every run failed)."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return None
+    return {k: _median([r[k] for r in runs]) for k in runs[0]}
+
+
 def time_command(cmd: list[str], env: dict, runs: int) -> float:
     times = []
     for _ in range(runs):
@@ -247,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt size (median)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run both engines this many times, alternating, and report medians")
     ap.add_argument("--llama-python", default=None,
                     help="Python with llama-cpp-python (default: this one, if it imports)")
     ap.add_argument("--oneshot", action="store_true",
@@ -280,9 +290,13 @@ def main(argv=None) -> int:
     for name in args.models:
         path = str(resolve_model_path(name))
         ids = bench_ids(path, max(PROMPT_SIZES))
-        entry = {"localllm": run_worker(sys.executable, "localllm", path, ids, args.threads, args.reps)}
-        entry["llama_cpp"] = (run_worker(llama_python, "llama", path, ids, args.threads, args.reps)
-                              if llama_python else None)
+        ours_runs, ref_runs = [], []
+        for _ in range(args.rounds):  # alternate, so drifts in machine speed hit both
+            ours_runs.append(run_worker(sys.executable, "localllm", path, ids, args.threads, args.reps))
+            if llama_python:
+                ref_runs.append(run_worker(llama_python, "llama", path, ids, args.threads, args.reps))
+        entry = {"localllm": _median_run(ours_runs), "llama_cpp": _median_run(ref_runs),
+                 "rounds": args.rounds}
         if args.oneshot:
             entry["oneshot"] = oneshot(path, args.threads, llama_python, args.reps)
         ours = entry["localllm"]
@@ -293,7 +307,8 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}")
+    print(f"machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}; "
+          f"medians of {args.rounds} alternating round(s)")
     if "read_gbps" in m:
         print(f"measured read bandwidth: {m['read_gbps']:.1f} GB/s")
     for name, e in report["models"].items():

@@ -404,3 +404,15 @@ def test_fuzzed_counts_and_lengths(tmp_path_factory, writes):
     path.write_bytes(bytes(data))
     _open_and_touch(str(path))
     path.unlink()
+
+
+def test_release_keeps_the_data_readable(smollm_path):
+    f = GGUFFile(smollm_path)
+    name = "blk.0.ffn_up.weight"
+    before = f.raw(name).copy()
+    f.release(name, 100, 5000)
+    f.release(name)
+    f.release()
+    assert np.array_equal(f.raw(name), before)
+    f.close()
+    f.release()  # a closed file: nothing to drop, no error

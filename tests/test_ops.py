@@ -455,3 +455,15 @@ def test_targets_give_identical_bits(isa_children, path):
 
 if __name__ == "__main__":
     np.savez(sys.argv[1], **isa_results())
+
+
+
+def test_logsumexp_matches_float64():
+    from localllm.kernels.ops import logsumexp
+    rng = np.random.default_rng(3)
+    for n in (1, 15, 16, 17, 1000, 262147):
+        z = (rng.standard_normal(n) * 6).astype(np.float32)
+        ref = float(np.log(np.exp(z.astype(np.float64) - z.max()).sum()) + z.max())
+        assert abs(logsumexp(z) - ref) < 1e-5 * max(1.0, abs(ref))
+    z = np.full(33, -np.inf, np.float32)
+    assert logsumexp(z) == -np.inf
