@@ -13,3 +13,13 @@ def smollm_path():
 @pytest.fixture(scope="session")
 def gemma_path():
     return fetch("gemma3-270m", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def metas(smollm_path, gemma_path):
+    """Both real models' metadata (read once)."""
+    from localllm.gguf import GGUFFile
+    files = {"smollm": GGUFFile(smollm_path), "gemma": GGUFFile(gemma_path)}
+    yield {k: f.metadata for k, f in files.items()}
+    for f in files.values():
+        f.close()

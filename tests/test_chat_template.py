@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from localllm.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
-from localllm.gguf import GGUFFile
 from localllm.tokenizer import Tokenizer
 
 DOC = json.loads((Path(__file__).parent / "fixtures" / "templates" / "llama_cpp_templates.json")
@@ -17,14 +16,6 @@ DOC = json.loads((Path(__file__).parent / "fixtures" / "templates" / "llama_cpp_
 CONVS = DOC["conversations"]
 SMOLLM_DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
                          "trained by Hugging Face<|im_end|>\n")
-
-
-@pytest.fixture(scope="module")
-def metas(smollm_path, gemma_path):
-    files = {"smollm": GGUFFile(smollm_path), "gemma": GGUFFile(gemma_path)}
-    yield {k: f.metadata for k, f in files.items()}
-    for f in files.values():
-        f.close()
 
 
 @pytest.mark.parametrize("name", sorted(DOC["builtins"]))

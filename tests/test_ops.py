@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from kernel_data import q8_blocks32 as ref_q8_32
+from kernel_data import q8_blocks256 as ref_q8_256
+from kernel_data import round_f16 as ref_round_f16
 import pytest
 from numba import njit
 
@@ -39,43 +42,6 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # ----------------------------------------------------------------------------- frozen references
-
-def ref_round_f16(v: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.asarray(v, np.float32).astype(np.float16).astype(np.float32)
-
-
-def ref_q8_32(x: np.ndarray):
-    """llama.cpp's Q8_0 / Q8_1 activation arithmetic in float32, as the kernels define it."""
-    n, K = x.shape
-    xb = x.reshape(n, K // 32, 32)
-    amax = np.abs(xb).max(axis=2)
-    d = amax / np.float32(127.0)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax != 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
-    q = np.rint(xb * inv[:, :, None]).astype(np.int32)
-    s = q.sum(axis=2, dtype=np.int32)
-    return (q.astype(np.int8).reshape(n, K), ref_round_f16(d), s,
-            ref_round_f16(d * s.astype(np.float32)))
-
-
-def ref_q8_256(x: np.ndarray):
-    """llama.cpp's Q8_K arithmetic: the first element of largest magnitude maps to -127."""
-    n, K = x.shape
-    xb = x.reshape(n, K // 256, 256)
-    first = np.abs(xb).argmax(axis=2)
-    vmax = np.take_along_axis(xb, first[:, :, None], axis=2)[:, :, 0]
-    zero = vmax == 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        iscale = np.float32(-127.0) / np.where(zero, np.float32(1.0), vmax)
-        q = np.minimum(np.int32(127), np.rint(iscale[:, :, None] * xb).astype(np.int32))
-        d = np.float32(1.0) / iscale
-    q[zero] = 0
-    d[zero] = 0
-    q = q.reshape(n, K)
-    bsum = q.reshape(n, K // 16, 16).sum(axis=2, dtype=np.int32)
-    return q.astype(np.int8), d.astype(np.float32), bsum
-
 
 def ref_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
     """a' = a c - b s, b' = a s + b c, each product and sum rounded to float32."""

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localllm.gguf import GGUFFile
 from localllm.tokenizer import (
     ATTR_BYTE,
     ATTR_CONTROL,
@@ -28,14 +27,6 @@ import make_fixtures  # noqa: E402  (the sweep texts are generated, not stored)
 
 def _load(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text(encoding="utf-8"))
-
-
-@pytest.fixture(scope="module")
-def metas(smollm_path, gemma_path):
-    files = {"smollm": GGUFFile(smollm_path), "gemma": GGUFFile(gemma_path)}
-    yield {k: f.metadata for k, f in files.items()}
-    for f in files.values():
-        f.close()
 
 
 @pytest.fixture(scope="module")
