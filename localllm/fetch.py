@@ -114,7 +114,8 @@ def _pip_download(spec: str, dest: Path, quiet: bool) -> Path:
            "--only-binary=:all:", "-d", str(dest), spec]
     if quiet:
         cmd.insert(4, "-q")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None,
+    # pip's progress goes to our stderr: stdout carries only what the command is asked for.
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
                           stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-3:]
