@@ -25,7 +25,7 @@ from . import packing as P
 from .actquant import quantize_q8_32, quantize_q8_256
 from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load, vi_load_i8, vi_mul,
-                   vi_sll, vi_splat, vi_store, vi_sub, vi_zero)
+                   vi_sll, vi_store, vi_sub, vi_zero)
 from .unpack import dot4, dot8, prefetch_chunk, unpack_chunk
 from .vmath import vf_bcast
 
