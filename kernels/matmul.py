@@ -87,7 +87,7 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
             v = unpack_chunk(w, i)
             s = block_scales(w, i)
             for t in range(t0, t1):
-                isum = dot8(v, xq, t * K + b * 32)
+                isum = dot8(w, v, xq, t * K + b * 32)
                 ao = (t - t0) * 64
                 term = block_term(w, isum, s, dx, xs, sx, (t * nb + b) * 4)
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
@@ -105,13 +105,13 @@ def chunk_part(w, v, scb, xq, xo):
 def _ol_chunk_part(w, v, scb, xq, xo):
     if w.instance_class in (P.PackedQ2_K, P.PackedQ3_K, P.PackedQ6_K):
         def part16(w, v, scb, xq, xo):  # two 16-element sub-blocks per chunk
-            lo = dot4(v[0], v[1], v[2], v[3], xq, xo)
-            hi = dot4(v[4], v[5], v[6], v[7], xq, xo + 16)
+            lo = dot4(w, v[0], v[1], v[2], v[3], xq, xo)
+            hi = dot4(w, v[4], v[5], v[6], v[7], xq, xo + 16)
             return vi_add(vi_mul(lo, vi_load_i8(w.sc, scb)), vi_mul(hi, vi_load_i8(w.sc, scb + 16)))
         return part16
 
     def part32(w, v, scb, xq, xo):
-        return vi_mul(dot8(v, xq, xo), vi_load_i8(w.sc, scb))
+        return vi_mul(dot8(w, v, xq, xo), vi_load_i8(w.sc, scb))
     return part32
 
 

@@ -135,26 +135,32 @@ def _dpbusd_generic(builder, acc, a, b):
 
 
 def _dpbusd_avx2(builder, acc, a, b):
-    """Exact u8 x s8 dot on AVX2: widen to i16 and use vpmaddwd (no saturating vpmaddubsw)."""
+    """Exact u8 x s8 dot on AVX2 for ``b`` bytes in [-127, 127] (all activation quantizations
+    stay there). With w = a - 128 as signed bytes, sum(a*b) = sum(|w| * (b signed like w)) +
+    128 * sum(b); both products pair up within int16, so vpmaddubsw never saturates."""
+    v32i8 = ir.VectorType(_I8, 32)
+    v16i16 = ir.VectorType(_I16, 16)
+    v8i32 = ir.VectorType(_I32, 8)
+    ones = ir.Constant(v16i16, [1] * 16)
+    bias = ir.Constant(v32i8, [-128] * 32)
     a8 = builder.bitcast(a, _V64I8)
     b8 = builder.bitcast(b, _V64I8)
-    v8i32 = ir.VectorType(_I32, 8)
-    v16i16 = ir.VectorType(_I16, 16)
-    aw = builder.zext(a8, ir.VectorType(_I16, 64))
-    bw = builder.sext(b8, ir.VectorType(_I16, 64))
-    pairs = []
-    for q in range(4):  # four 256-bit chunks of 16 i16 each
-        idx = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * q, 16 * q + 16)))
-        ac = builder.shuffle_vector(aw, aw, idx)
-        bc = builder.shuffle_vector(bw, bw, idx)
-        pairs.append(_call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [ac, bc]))
-    # pairs[q] lane i = bytes (16q+2i, 16q+2i+1); add neighbouring lanes to get groups of 4.
-    full = builder.shuffle_vector(_concat(builder, pairs[0], pairs[1], 16),
-                                  _concat(builder, pairs[2], pairs[3], 16),
-                                  ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-    ev = builder.shuffle_vector(full, full, ir.Constant(_V16I32, [2 * j for j in range(16)]))
-    od = builder.shuffle_vector(full, full, ir.Constant(_V16I32, [2 * j + 1 for j in range(16)]))
-    return builder.add(acc, builder.add(ev, od))
+    halves = []
+    for q in range(2):
+        idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * q, 32 * q + 32)))
+        pa = builder.shuffle_vector(a8, a8, idx)
+        pb = builder.shuffle_vector(b8, b8, idx)
+        w = builder.xor(pa, bias)
+        mag = _call(builder, "llvm.abs.v32i8", v32i8, [v32i8, ir.IntType(1)],
+                    [w, ir.Constant(ir.IntType(1), 0)])  # |-128| stays 0x80 = 128 unsigned
+        signed = _call(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8], [pb, w])
+        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8], [mag, signed])
+        b16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8], [bias, pb])
+        s = builder.add(
+            _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [p16, ones]),
+            _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [b16, ones]))
+        halves.append(s)
+    return builder.add(acc, _concat(builder, halves[0], halves[1], 16))
 
 
 def _dpbusd(builder, acc, a, b):
@@ -356,6 +362,37 @@ def vi_dpbusd(typingctx, acc, a, b):
     """acc + (sum of u8(a) * s8(b) over each lane's 4 bytes), exact, per the target's ISA."""
     def cg(context, builder, sig, args):
         return _dpbusd(builder, args[0], args[1], args[2])
+    return VI(acc, a, b), cg
+
+
+def _dpbusd_narrow(builder, acc, a, b):
+    """As _dpbusd, for ``a`` bytes of at most 64 and ``b`` bytes of at least -127: then each
+    pair of products fits in int16, so AVX2's saturating vpmaddubsw is exact and the sum
+    needs three instructions per 256 bits instead of the widening sequence."""
+    if ISA != "avx2":
+        return _dpbusd(builder, acc, a, b)
+    v32i8 = ir.VectorType(_I8, 32)
+    v16i16 = ir.VectorType(_I16, 16)
+    v8i32 = ir.VectorType(_I32, 8)
+    ones = ir.Constant(v16i16, [1] * 16)
+    a8 = builder.bitcast(a, _V64I8)
+    b8 = builder.bitcast(b, _V64I8)
+    halves = []
+    for q in range(2):
+        idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * q, 32 * q + 32)))
+        pa = builder.shuffle_vector(a8, a8, idx)
+        pb = builder.shuffle_vector(b8, b8, idx)
+        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8], [pa, pb])
+        halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [p16, ones]))
+    return builder.add(acc, _concat(builder, halves[0], halves[1], 16))
+
+
+@intrinsic
+def vi_dpbusd_narrow(typingctx, acc, a, b):
+    """vi_dpbusd for weight bytes ``a`` of at most 64 and activation bytes ``b`` in
+    [-127, 127] (every format narrower than 7 bits): the same exact result, cheaper on AVX2."""
+    def cg(context, builder, sig, args):
+        return _dpbusd_narrow(builder, args[0], args[1], args[2])
     return VI(acc, a, b), cg
 
 

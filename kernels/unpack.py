@@ -11,8 +11,8 @@ from numba import njit
 from numba.extending import overload
 
 from . import packing as P
-from .simd import (prefetch, vi_add, vi_and, vi_bcast4, vi_dpbusd, vi_load, vi_lut16, vi_or,
-                   vi_sll, vi_splat, vi_srl, vi_zero)
+from .simd import (prefetch, vi_add, vi_and, vi_bcast4, vi_dpbusd, vi_dpbusd_narrow, vi_load,
+                   vi_lut16, vi_or, vi_sll, vi_splat, vi_srl, vi_zero)
 
 M01 = 0x01010101
 M03 = 0x03030303
@@ -91,21 +91,34 @@ def lookup(v8, lut):
             vi_lut16(t, v8[4]), vi_lut16(t, v8[5]), vi_lut16(t, v8[6]), vi_lut16(t, v8[7]))
 
 
+def dpbusd(w, acc, a, b):
+    """vi_dpbusd for the weight bytes of ``w``'s format (its narrow form where they fit)."""
+
+
+@overload(dpbusd, inline="always")
+def _ol_dpbusd(w, acc, a, b):
+    # Q8_0 (stored as w+128) and the IQ4 tables reach past 64; every other format's unpacked
+    # values are at most 63 (Q6_K), so the AVX2 path may use its saturating multiply-add.
+    if getattr(w, "instance_class", None) in (P.PackedQ8_0, P.PackedIQ4_NL, P.PackedIQ4_XS):
+        return lambda w, acc, a, b: vi_dpbusd(acc, a, b)
+    return lambda w, acc, a, b: vi_dpbusd_narrow(acc, a, b)
+
+
 @njit(inline="always")
-def dot4(v0, v1, v2, v3, xq, xo):
+def dot4(w, v0, v1, v2, v3, xq, xo):
     """Per-lane sum over 16 elements: u8 weight bytes times int8 activations at ``xq[xo:]``."""
-    acc = vi_dpbusd(vi_zero(), v0, vi_bcast4(xq, xo))
-    acc = vi_dpbusd(acc, v1, vi_bcast4(xq, xo + 4))
-    acc = vi_dpbusd(acc, v2, vi_bcast4(xq, xo + 8))
-    return vi_dpbusd(acc, v3, vi_bcast4(xq, xo + 12))
+    acc = dpbusd(w, vi_zero(), v0, vi_bcast4(xq, xo))
+    acc = dpbusd(w, acc, v1, vi_bcast4(xq, xo + 4))
+    acc = dpbusd(w, acc, v2, vi_bcast4(xq, xo + 8))
+    return dpbusd(w, acc, v3, vi_bcast4(xq, xo + 12))
 
 
 @njit(inline="always")
-def dot8(v8, xq, xo):
+def dot8(w, v8, xq, xo):
     """Per-lane sum over the 32 elements of a chunk (exact int32). Two independent chains
     halve the dependency latency (integer sums: the grouping cannot change the result)."""
-    return vi_add(dot4(v8[0], v8[1], v8[2], v8[3], xq, xo),
-                  dot4(v8[4], v8[5], v8[6], v8[7], xq, xo + 16))
+    return vi_add(dot4(w, v8[0], v8[1], v8[2], v8[3], xq, xo),
+                  dot4(w, v8[4], v8[5], v8[6], v8[7], xq, xo + 16))
 
 
 def unpack_chunk(w, ct):
