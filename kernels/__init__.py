@@ -4,10 +4,13 @@ cache, row operations, and the SIMD building blocks they share.
 Numba's on-disk cache only notices edits to a kernel's own file, while these kernels inline
 code from their neighbours (simd.py, unpack.py, ...). So compiled kernels are cached in a
 directory named by a hash of all the kernel sources: any edit here starts a fresh cache.
+Builds of other versions in the default location are removed once unused for 30 days.
 """
 
 import hashlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 from numba.core import config as _numba_config
@@ -28,5 +31,22 @@ def _cache_base() -> Path:
     return Path(base) / "localllm" / "numba"
 
 
+def _prune(base: Path, current: Path, max_age_s: float = 30 * 86400) -> None:
+    """Marks ``current`` as used and removes sibling builds unused for ``max_age_s``."""
+    try:
+        current.mkdir(parents=True, exist_ok=True)
+        os.utime(current)
+        now = time.time()
+        for old in base.iterdir():
+            if old != current and old.is_dir() and len(old.name) == 16 \
+                    and now - old.stat().st_mtime > max_age_s:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        pass  # a read-only or shared cache location: nothing to tidy
+
+
+_USER_DIR = bool(_numba_config.CACHE_DIR)
 CACHE_DIR = str(_cache_base() / _source_hash())
+if not _USER_DIR:
+    _prune(_cache_base(), Path(CACHE_DIR))
 _numba_config.CACHE_DIR = CACHE_DIR

@@ -7,7 +7,10 @@ from __future__ import annotations
 import codecs
 import os
 import re
+from array import array
 from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from localllm.tokenizer_bpe import (
     CHAR_TO_BYTE,
@@ -117,9 +120,12 @@ class Tokenizer:
         # llama.cpp renames empty tokens; a later duplicate text wins the text->id map.
         self._text = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self._vocab = {t: i for i, t in enumerate(self._text)}
-        self._types = _as_list(types, n, int) if types is not None else [TYPE_NORMAL] * n
-        self._scores = _as_list(scores, n, float) if scores is not None else [0.0] * n
-        self._attr = [_ATTR_OF_TYPE.get(t, 0) for t in self._types]
+        # Compact arrays (a 262k vocabulary as Python lists costs tens of MB); items read back
+        # as Python ints and floats, float32 scores exactly.
+        self._types = array("i", _as_list(types, n, int) if types is not None else [TYPE_NORMAL] * n)
+        self._scores = array("f", np.asarray(scores, np.float32)[:n].tobytes()) \
+            if scores is not None else array("f", bytes(4 * n))
+        self._attr = array("i", [_ATTR_OF_TYPE.get(t, 0) for t in self._types])
 
         if self.model == "llama":
             self._spm = True
@@ -150,7 +156,7 @@ class Tokenizer:
         self._detect_by_text(meta)
         self._phi3_strip(meta)
         self._build_specials()
-        self._pieces = [self._make_piece(i) for i in range(n)]
+        self._pieces: dict[int, bytes] = {}  # filled on first use of each token
         if self._spm:
             glue = {t[i - 1] for t in self._vocab if "\u2581" in t[1:] for i in range(1, len(t))
                     if t[i] == "\u2581" and t[i - 1] != "\u2581"}
@@ -310,7 +316,10 @@ class Tokenizer:
             raise TokenizerError(f"token id {id} out of range [0, {self.vocab_size})")
         if not special and self._attr[id] & (ATTR_CONTROL | ATTR_UNKNOWN):
             return b""
-        return self._pieces[id]
+        piece = self._pieces.get(id)
+        if piece is None:
+            piece = self._pieces[id] = self._make_piece(id)
+        return piece
 
     # ------------------------------------------------------------------ encode
 

@@ -59,20 +59,22 @@ def worker_localllm(path: str, ids: list[int], threads: int, reps: int) -> dict:
             m.session.feed(ids[:n])
             times.append(time.perf_counter() - t)
         out[f"pp{n}_tps"] = n / _median(times)
-    # time to first token on a 256-token prompt, then greedy decode
-    m.session.truncate(0)
-    t = time.perf_counter()
-    chunks = m.generate(ids[:256], temperature=0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
-    first = next(iter(chunks))
-    ttft = time.perf_counter() - t
-    list(chunks)
-    s = m.last_stats
-    out["ttft_s"] = ttft
-    out["tg_tps"] = s.generate_tps
-    out["decode_tokens"] = s.generated_tokens - 1
+    # time to first token on a 256-token prompt, then greedy decode; medians of reps
+    ttfts, tps = [], []
+    for _ in range(reps):
+        m.session.truncate(0)
+        t = time.perf_counter()
+        chunks = m.generate(ids[:256], temperature=0, max_tokens=DECODE_TOKENS + 1,
+                            ignore_eos=True)
+        next(iter(chunks))
+        ttfts.append(time.perf_counter() - t)
+        list(chunks)
+        tps.append(m.last_stats.generate_tps)
+    out["ttft_s"] = _median(ttfts)
+    out["tg_tps"] = _median(tps)
+    out["decode_tokens"] = m.last_stats.generated_tokens - 1
     out["peak_rss_mb"] = _peak_rss_mb()
     out["weight_bytes_per_token"] = decode_weight_bytes(m)
-    del first
     return out
 
 
@@ -103,17 +105,20 @@ def worker_llama(path: str, ids: list[int], threads: int, reps: int) -> dict:
             llm.eval(ids[:n])
             times.append(time.perf_counter() - t)
         out[f"pp{n}_tps"] = n / _median(times)
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(ids[:256])
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    ttft = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
-        llm.eval([tok])
+    ttfts, tps = [], []
+    for _ in range(reps):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids[:256])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    out["ttft_s"] = ttft
-    out["tg_tps"] = DECODE_TOKENS / (time.perf_counter() - t)
+        ttfts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tps.append(DECODE_TOKENS / (time.perf_counter() - t))
+    out["ttft_s"] = _median(ttfts)
+    out["tg_tps"] = _median(tps)
     out["decode_tokens"] = DECODE_TOKENS
     out["peak_rss_mb"] = _peak_rss_mb()
     return out
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt size (median)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each prompt size and of the decode run (median)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run both engines this many times, alternating, and report medians")
     ap.add_argument("--llama-python", default=None,

@@ -441,3 +441,23 @@ def test_nonfinite_float_weights_do_not_crash(name):
     others = [j for j in range(N) if j != 21]
     assert_same_bits(y[:, others], clean[:, others], name)
     assert np.isnan(y[:, 21]).all()
+
+
+def test_compile_cache_keeps_current_and_recent_builds(tmp_path):
+    import os
+    import time
+
+    from localllm import kernels
+    current = tmp_path / "0123456789abcdef"
+    recent, stale = tmp_path / "1111111111111111", tmp_path / "2222222222222222"
+    other = tmp_path / "not-a-build"
+    for d in (current, recent, stale, other):
+        d.mkdir()
+        (d / "f.nbi").write_bytes(b"x")
+    old = time.time() - 40 * 86400
+    for d in (current, stale, other):
+        os.utime(d, (old, old))
+    kernels._prune(tmp_path, current)
+    assert current.exists() and recent.exists() and other.exists()
+    assert not stale.exists()
+    assert time.time() - current.stat().st_mtime < 3600  # marked as used
