@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localllm import quants
+from localllm.dequant import dequantize
 from localllm.kernels import attention as attn_k
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
@@ -135,7 +135,7 @@ class CpuBackend:
     def embed(self, table: Embedding, ids, scale: float = 1.0):
         ids = np.asarray(ids, np.int64)
         rows = np.ascontiguousarray(table.rows[ids])
-        x = quants.dequantize(rows.reshape(-1), table.type_name, (len(ids), table.dim))
+        x = dequantize(rows.reshape(-1), table.type_name, (len(ids), table.dim))
         if scale != 1.0:
             x *= np.float32(scale)
         return np.ascontiguousarray(x, dtype=np.float32)

@@ -71,8 +71,8 @@ class WeightLoader:
         info = self._info(name, (n,))
         if info.type_name not in ("F32", "F16", "BF16"):
             raise ModelError(f"tensor {name!r} has type {info.type_name}; expected a float type")
-        from localllm import quants  # the reference decoder handles F16/BF16 exactly
-        return self.backend.upload_vector(quants.dequantize(self.file.raw(name), info.type_name, (n,)))
+        from localllm.dequant import dequantize  # the reference decoder handles F16/BF16 exactly
+        return self.backend.upload_vector(dequantize(self.file.raw(name), info.type_name, (n,)))
 
     def optional_vector(self, name: str, n: int):
         return self.vector(name, n) if self.has(name) else None

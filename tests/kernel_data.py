@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from localllm import quants
+from localllm.dequant import dequantize
 
 FORMATS = sorted(quants.SUPPORTED_TYPES)
 FLOAT_FORMATS = ("F32", "F16", "BF16")
@@ -63,7 +64,7 @@ def set_f16(raw: np.ndarray, name: str, K: int, row: int, block: int, field: str
 
 def dequant64(name: str, raw: np.ndarray, N: int, K: int) -> np.ndarray:
     """The reference-dequantized weight (N, K) in float64."""
-    return quants.dequantize(np.ascontiguousarray(raw), name, (N, K)).astype(np.float64)
+    return dequantize(np.ascontiguousarray(raw), name, (N, K)).astype(np.float64)
 
 
 def round_f16(v: np.ndarray) -> np.ndarray:

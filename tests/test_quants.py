@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localllm import dequant as D
 from localllm import quants as Q
 from localllm.gguf import GGUFFile
 
@@ -22,7 +23,7 @@ F16_OFFSETS = {
 QUANT_TYPES = sorted(F16_OFFSETS)
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 GGUF_QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"]
-DEQUANT_FN = {name: getattr(Q, "dequant_" + name.lower()) for name in Q.SUPPORTED_TYPES}
+DEQUANT_FN = {name: getattr(D, "dequant_" + name.lower()) for name in Q.SUPPORTED_TYPES}
 
 
 def assert_bits_equal(actual, expected):
@@ -68,7 +69,7 @@ def test_random_blocks_bit_exact(name):
     assert_bits_equal(per_format, expected)
     # Through the dispatcher, as 3 rows of 100 blocks.
     shape = (3, 100 * Q.block_size(name))
-    assert_bits_equal(Q.dequantize(blocks, name, shape), expected.reshape(shape))
+    assert_bits_equal(D.dequantize(blocks, name, shape), expected.reshape(shape))
     assert np.isfinite(expected).all() and np.count_nonzero(expected) > expected.size // 2
 
 
@@ -79,7 +80,7 @@ def test_gguf_quantized_bit_exact(name):
     x[0, :64] = 0.0  # all-zero blocks: d == 0
     packed = np.asarray(gguf.quants.quantize(x, GGMLQuantizationType[name]))
     data = np.ascontiguousarray(packed).view(np.uint8)
-    out = Q.dequantize(data, name, x.shape)
+    out = D.dequantize(data, name, x.shape)
     assert_bits_equal(out, gguf_dequant(packed, name).reshape(x.shape))
     # And the values are the ones quantized, to the format's precision.
     step = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2}.get(name, 0.15)
@@ -92,7 +93,7 @@ def test_dispatcher_chunks_large_tensors():
     n_blocks = (1 << 14) * 2 + 5
     blocks = random_blocks("Q4_0", n_blocks, rng)
     shape = (n_blocks, 32)
-    assert_bits_equal(Q.dequantize(blocks, "Q4_0", shape), gguf_dequant(blocks, "Q4_0"))
+    assert_bits_equal(D.dequantize(blocks, "Q4_0", shape), gguf_dequant(blocks, "Q4_0"))
 
 
 # ---------------------------------------------------------------------------- the tests can fail
@@ -136,7 +137,7 @@ def test_nonfinite_scales_do_not_crash(name, bad):
         blocks[k::2, off:off + 2] = np.array([bad], dtype=np.float16).view(np.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = Q.dequantize(blocks, name, (8 * Q.block_size(name),)).reshape(8, -1)
+        out = D.dequantize(blocks, name, (8 * Q.block_size(name),)).reshape(8, -1)
     with np.errstate(all="ignore"):
         expected = gguf_dequant(blocks, name).reshape(8, -1)
     # NaN payloads may differ between numpy's conversion paths; compare classes and values.
@@ -263,14 +264,14 @@ def test_hand_built_blocks():
     qs = np.array([(i % 16) | ((15 - i % 16) << 4) for i in range(16)], dtype=np.uint8)
     block = np.concatenate([np.array([0.5], np.float16).view(np.uint8), qs])[None]
     want = 0.5 * (np.r_[np.arange(16), 15 - np.arange(16)] - 8)
-    np.testing.assert_array_equal(Q.dequant_q4_0(block)[0], want.astype(np.float32))
+    np.testing.assert_array_equal(D.dequant_q4_0(block)[0], want.astype(np.float32))
     # Q5_0: qh bit j is element j's fifth bit.
     qh = np.array([0b1, 0, 0, 0b10000000], dtype=np.uint8)  # elements 0 and 31
     block = np.concatenate([np.array([1.0], np.float16).view(np.uint8), qh,
                             np.zeros(16, np.uint8)])[None]
     want = np.full(32, -16.0, np.float32)
     want[[0, 31]] = 0.0
-    np.testing.assert_array_equal(Q.dequant_q5_0(block)[0], want)
+    np.testing.assert_array_equal(D.dequant_q5_0(block)[0], want)
 
 
 # ---------------------------------------------------------------------------- table
@@ -323,26 +324,26 @@ def test_unknown_types(bad):
 
 def test_dequantize_rejects_bad_input():
     data = np.zeros(Q.row_nbytes("Q4_K", 512) * 2, dtype=np.uint8)
-    assert Q.dequantize(data, "Q4_K", (2, 512)).shape == (2, 512)
+    assert D.dequantize(data, "Q4_K", (2, 512)).shape == (2, 512)
     with pytest.raises(ValueError, match="not supported"):
-        Q.dequantize(data, "IQ2_XXS", (2, 512))
+        D.dequantize(data, "IQ2_XXS", (2, 512))
     with pytest.raises(ValueError, match="not supported"):
-        Q.dequantize(data, "Q8_K", (2, 512))
+        D.dequantize(data, "Q8_K", (2, 512))
     with pytest.raises(ValueError):
-        Q.dequantize(data, 12, (3, 512))           # byte count
+        D.dequantize(data, 12, (3, 512))           # byte count
     with pytest.raises(ValueError):
-        Q.dequantize(data[:-1], "Q4_K", (2, 512))  # one byte short
+        D.dequantize(data[:-1], "Q4_K", (2, 512))  # one byte short
     with pytest.raises(ValueError):
-        Q.dequantize(data, "Q4_K", (4, 256 + 128))  # row is not whole blocks
+        D.dequantize(data, "Q4_K", (4, 256 + 128))  # row is not whole blocks
     with pytest.raises(ValueError):
-        Q.dequantize(data.view(np.int8), "Q4_K", (2, 512))
+        D.dequantize(data.view(np.int8), "Q4_K", (2, 512))
     with pytest.raises(ValueError):
-        Q.dequantize(data, "Q4_K", ())
+        D.dequantize(data, "Q4_K", ())
     with pytest.raises(ValueError):
-        Q.dequant_q4_k(data.reshape(-1, 16))
+        D.dequant_q4_k(data.reshape(-1, 16))
     with pytest.raises(ValueError):
-        Q.dequant_q4_0(data[:180].reshape(-1, 18).astype(np.int16))
-    assert Q.dequantize(np.zeros(0, np.uint8), "Q6_K", (0, 256)).shape == (0, 256)
+        D.dequant_q4_0(data[:180].reshape(-1, 18).astype(np.int16))
+    assert D.dequantize(np.zeros(0, np.uint8), "Q6_K", (0, 256)).shape == (0, 256)
 
 
 # ---------------------------------------------------------------------------- real models
@@ -380,7 +381,7 @@ def test_real_tensors_bit_exact(real_model):
         assert group, (key, tname)
         # Smallest, middle and largest of the type.
         for name, _, shape, raw in {id(t): t for t in (group[0], group[len(group) // 2], group[-1])}.values():
-            out = Q.dequantize(raw, tname, shape)
+            out = D.dequantize(raw, tname, shape)
             assert out.shape == shape and np.isfinite(out).all(), name
             expected = gguf_dequant(raw.reshape(shape[:-1] + (-1,)), tname).reshape(shape)
             assert_bits_equal(out, expected)
