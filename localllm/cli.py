@@ -216,7 +216,7 @@ def cmd_inspect(args) -> int:
 def _error_types():
     from .fetch import FetchError
     from .gguf import GGUFError
-    errors = [OSError, ValueError, FetchError, GGUFError, KeyError, TypeError]
+    errors = [OSError, ValueError, FetchError, GGUFError, KeyError, TypeError, MemoryError]
     return tuple(errors)
 
 

@@ -60,6 +60,37 @@ def _make_backend(settings: LoadSettings):
     return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
 
 
+def memory_needed(file: GGUFFile, args, ctx: int) -> tuple[int, int]:
+    """Bytes a model will hold in memory: (weights, KV cache of ``ctx`` tokens).
+
+    Weights are copied into the kernels' layout, except a token embedding table that has a
+    separate output matrix (its rows are read from the mapped file as tokens need them).
+    The float16 KV cache is counted full, as a long conversation will fill it.
+    """
+    weights = sum(t.nbytes for t in file.tensors.values())
+    if "output.weight" in file.tensors and "token_embd.weight" in file.tensors:
+        weights -= file.tensors["token_embd.weight"].nbytes
+    ctx_pad = -(-ctx // 16) * 16
+    kv = 2 * 2 * args.n_layers * args.n_kv_heads * args.head_dim * ctx_pad
+    return weights, kv
+
+
+def check_memory(file: GGUFFile, args, ctx: int, available: int | None = None) -> None:
+    """Raises EngineError, before anything is loaded, when the weights and a full KV cache
+    of ``ctx`` tokens would not fit in the memory available now."""
+    weights, kv = memory_needed(file, args, ctx)
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    if weights + kv > available:
+        gb = 1 << 30
+        hint = " (try a smaller --ctx-size)" if kv > available // 4 else ""
+        raise EngineError(
+            f"not enough memory: the model needs {weights / gb:.2f} GiB for weights and "
+            f"{kv / gb:.2f} GiB for a {ctx}-token KV cache, {available / gb:.2f} GiB is "
+            f"available{hint}")
+
+
 class Session:
     """A KV cache and the tokens it holds; new prompts reuse the longest cached prefix."""
 
@@ -125,7 +156,12 @@ class Model:
         self.file = GGUFFile(self.path)
         meta = self.file.metadata
         self.metadata = meta
-        module_for(meta)  # an unsupported architecture fails before any other work
+        module = module_for(meta)  # an unsupported architecture fails before any other work
+        args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
+        ctx = self.settings.ctx_size or min(DEFAULT_CTX, args.context_length)
+        if ctx <= 0:
+            raise EngineError(f"context size must be positive, got {ctx}")
+        check_memory(self.file, args, ctx)
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.resolve(meta, self.settings.chat_template)
         self.backend = _make_backend(self.settings)
@@ -134,9 +170,6 @@ class Model:
         self.backend.end_model()
         self.args = self.net.args
         self.vocab_size = self.args.vocab_size
-        ctx = self.settings.ctx_size or min(DEFAULT_CTX, self.args.context_length)
-        if ctx <= 0:
-            raise EngineError(f"context size must be positive, got {ctx}")
         self.ctx = ctx
         self.session = Session(self, ctx)
         self.last_stats = GenerationStats()

@@ -96,6 +96,7 @@ def bad_files(tmp_path, smollm_path):
     ("name", ["run", "no-such-model", "-p", "hi"], "no such model"),
     ("template", ["run", "-p", "hi", "--chat-template", "{tmpl}"], "template"),
     ("inspect", ["inspect", "{missing}"], "no such"),
+    ("memory", ["run", "-c", "100000000", "-p", "hi"], "not enough memory"),
 ])
 def test_bad_input_is_one_clear_line(bad_files, case, args, needle):
     args = [a.format(**bad_files) for a in args]

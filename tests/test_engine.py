@@ -196,3 +196,22 @@ def test_repacked_weight_store_round_trip(smollm_path, tmp_path):
     assert np.array_equal(la.view(np.uint32), d.logits(ids).view(np.uint32))
     e = localllm.load(smollm_path, ctx_size=64, weight_cache=False)
     assert np.array_equal(la.view(np.uint32), e.logits(ids).view(np.uint32))
+
+
+def test_model_too_big_for_memory_is_refused_before_loading(smollm_path):
+    from localllm.engine import check_memory, memory_needed
+    from localllm.gguf import GGUFFile
+    from localllm.models import llama
+
+    with GGUFFile(smollm_path) as f:
+        args = llama.ModelArgs.from_gguf(f.metadata)
+        weights, kv = memory_needed(f, args, 4096)
+        # tied output: every tensor is packed; f16 K and V for 30 layers x 3 heads x 64
+        assert weights == sum(t.nbytes for t in f.tensors.values())
+        assert kv == 2 * 2 * 30 * 3 * 64 * 4096
+        check_memory(f, args, 4096, available=weights + kv)
+        with pytest.raises(EngineError, match="not enough memory"):
+            check_memory(f, args, 4096, available=weights + kv - 1)
+    # a 100M-token KV cache (2 TiB) is refused with the sizes, not an allocation failure
+    with pytest.raises(EngineError, match=r"not enough memory.*100000000-token KV cache"):
+        localllm.load(smollm_path, ctx_size=100_000_000)
