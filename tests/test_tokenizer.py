@@ -22,7 +22,7 @@ from localllm.tokenizer import (
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tokenizer"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import make_fixtures  # noqa: E402  (the sweep texts are generated, not stored)
+import fixture_texts  # noqa: E402  (the sweep texts are generated, not stored)
 
 
 def _load(name: str) -> dict:
@@ -137,7 +137,7 @@ def _sweep(tok, doc, every: int):
     hashes = []
     k = 0
     for lo, hi in doc["ranges"]:
-        for text in make_fixtures.sweep_blocks(lo, hi, doc["block_size"]):
+        for text in fixture_texts.sweep_blocks(lo, hi, doc["block_size"]):
             if k % every == 0:
                 ids = tok.encode(text, add_special=False)
                 hashes.append((k, hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()[:16]))
