@@ -16,10 +16,6 @@ from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic, models, register_model
 
-# Bumped when the lowering of any operation changes, so kernels built on it are rebuilt
-# (Numba's cache only watches the caller's source file).
-SIMD_VERSION = 3
-
 _I8, _I16, _I32, _F32, _F16 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.HalfType()
 _V64I8 = ir.VectorType(_I8, 64)
 _V32I16 = ir.VectorType(_I16, 32)
@@ -28,6 +24,8 @@ _V16F32 = ir.VectorType(_F32, 16)
 _V16F16 = ir.VectorType(_F16, 16)
 _V16I16 = ir.VectorType(_I16, 16)
 _V16I8 = ir.VectorType(_I8, 16)
+_V32I8 = ir.VectorType(_I8, 32)
+_V8I32 = ir.VectorType(_I32, 8)
 
 
 def target_features() -> frozenset[str]:
@@ -134,33 +132,39 @@ def _dpbusd_generic(builder, acc, a, b):
     return builder.add(acc, s)
 
 
-def _dpbusd_avx2(builder, acc, a, b):
-    """Exact u8 x s8 dot on AVX2 for ``b`` bytes in [-127, 127] (all activation quantizations
-    stay there). With w = a - 128 as signed bytes, sum(a*b) = sum(|w| * (b signed like w)) +
-    128 * sum(b); both products pair up within int16, so vpmaddubsw never saturates."""
-    v32i8 = ir.VectorType(_I8, 32)
-    v16i16 = ir.VectorType(_I16, 16)
-    v8i32 = ir.VectorType(_I32, 8)
-    ones = ir.Constant(v16i16, [1] * 16)
-    bias = ir.Constant(v32i8, [-128] * 32)
+def _avx2_pmadd(builder, x, y):
+    """vpmaddubsw then vpmaddwd by ones: per int32 lane, the 4-byte sum of u8(x) * s8(y)
+    (exact while each pair of products fits in int16)."""
+    p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8], [x, y])
+    ones = ir.Constant(_V16I16, [1] * 16)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16], [p16, ones])
+
+
+def _avx2_halves(builder, acc, a, b, half_dot):
+    """acc + half_dot applied to each 256-bit half of the 512-bit byte vectors a and b."""
     a8 = builder.bitcast(a, _V64I8)
     b8 = builder.bitcast(b, _V64I8)
     halves = []
     for q in range(2):
         idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * q, 32 * q + 32)))
-        pa = builder.shuffle_vector(a8, a8, idx)
-        pb = builder.shuffle_vector(b8, b8, idx)
-        w = builder.xor(pa, bias)
-        mag = _call(builder, "llvm.abs.v32i8", v32i8, [v32i8, ir.IntType(1)],
-                    [w, ir.Constant(ir.IntType(1), 0)])  # |-128| stays 0x80 = 128 unsigned
-        signed = _call(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8], [pb, w])
-        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8], [mag, signed])
-        b16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8], [bias, pb])
-        s = builder.add(
-            _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [p16, ones]),
-            _call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [b16, ones]))
-        halves.append(s)
+        halves.append(half_dot(builder.shuffle_vector(a8, a8, idx),
+                               builder.shuffle_vector(b8, b8, idx)))
     return builder.add(acc, _concat(builder, halves[0], halves[1], 16))
+
+
+def _dpbusd_avx2(builder, acc, a, b):
+    """Exact u8 x s8 dot on AVX2 for ``b`` bytes in [-127, 127] (all activation quantizations
+    stay there). With w = a - 128 as signed bytes, sum(a*b) = sum(|w| * (b signed like w)) +
+    128 * sum(b); both products pair up within int16, so vpmaddubsw never saturates."""
+    bias = ir.Constant(_V32I8, [-128] * 32)
+
+    def half_dot(pa, pb):
+        w = builder.xor(pa, bias)
+        mag = _call(builder, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)],
+                    [w, ir.Constant(ir.IntType(1), 0)])  # |-128| stays 0x80 = 128 unsigned
+        signed = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8], [pb, w])
+        return builder.add(_avx2_pmadd(builder, mag, signed), _avx2_pmadd(builder, bias, pb))
+    return _avx2_halves(builder, acc, a, b, half_dot)
 
 
 def _dpbusd(builder, acc, a, b):
@@ -367,24 +371,11 @@ def vi_dpbusd(typingctx, acc, a, b):
 
 def _dpbusd_narrow(builder, acc, a, b):
     """As _dpbusd, for ``a`` bytes of at most 64 and ``b`` bytes of at least -127: then each
-    pair of products fits in int16, so AVX2's saturating vpmaddubsw is exact and the sum
-    needs three instructions per 256 bits instead of the widening sequence."""
+    pair of products fits in int16, so AVX2's saturating vpmaddubsw is exact on the bytes as
+    they are (two instructions per 256 bits instead of the sign trick's six)."""
     if ISA != "avx2":
         return _dpbusd(builder, acc, a, b)
-    v32i8 = ir.VectorType(_I8, 32)
-    v16i16 = ir.VectorType(_I16, 16)
-    v8i32 = ir.VectorType(_I32, 8)
-    ones = ir.Constant(v16i16, [1] * 16)
-    a8 = builder.bitcast(a, _V64I8)
-    b8 = builder.bitcast(b, _V64I8)
-    halves = []
-    for q in range(2):
-        idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * q, 32 * q + 32)))
-        pa = builder.shuffle_vector(a8, a8, idx)
-        pb = builder.shuffle_vector(b8, b8, idx)
-        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8], [pa, pb])
-        halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16], [p16, ones]))
-    return builder.add(acc, _concat(builder, halves[0], halves[1], 16))
+    return _avx2_halves(builder, acc, a, b, lambda pa, pb: _avx2_pmadd(builder, pa, pb))
 
 
 @intrinsic
