@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -50,11 +51,23 @@ class PackedStore:
         self.index: dict[str, dict] = {}
         self._buf = None
         self._new: dict[str, mm.Weight] = {}
+        self._reader = None
         if self.path.is_file():
-            try:
-                self._open()
-            except (OSError, ValueError, KeyError, TypeError):
-                self.index, self._buf = {}, None  # unreadable: repack and rewrite
+            # Read in the background while the caller builds the rest of the model (the read
+            # itself runs without the GIL); the first get() or save() waits for it.
+            self._reader = threading.Thread(target=self._open_or_forget, daemon=True)
+            self._reader.start()
+
+    def _open_or_forget(self) -> None:
+        try:
+            self._open()
+        except (OSError, ValueError, KeyError, TypeError, MemoryError):
+            self.index, self._buf = {}, None  # unreadable: repack and rewrite
+
+    def _wait(self) -> None:
+        if self._reader is not None:
+            self._reader.join()
+            self._reader = None
 
     def _open(self) -> None:
         with open(self.path, "rb") as f:
@@ -79,6 +92,7 @@ class PackedStore:
 
     def get(self, name: str, type_name: str, N: int, K: int) -> mm.Weight | None:
         """The stored weight, if present and of the same type and shape."""
+        self._wait()
         e = self.index.get(name)
         if e is None or self._buf is None or (e["type"], e["N"], e["K"]) != (type_name, N, K):
             return None
@@ -90,6 +104,7 @@ class PackedStore:
 
     def save(self) -> None:
         """Write the file if weights were packed on this load (atomically; best effort)."""
+        self._wait()
         if not self._new or self.index:
             return
         entries, blobs, pos = {}, [], 0

@@ -162,10 +162,10 @@ class Model:
         if ctx <= 0:
             raise EngineError(f"context size must be positive, got {ctx}")
         check_memory(self.file, args, ctx)
+        self.backend = _make_backend(self.settings)
+        self.backend.begin_model(self.path)  # may read stored weights while the rest builds
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.resolve(meta, self.settings.chat_template)
-        self.backend = _make_backend(self.settings)
-        self.backend.begin_model(self.path)
         self.net = build(meta, WeightLoader(self.file, self.backend))
         self.backend.end_model()
         self.args = self.net.args
