@@ -54,6 +54,9 @@ class Backend(Protocol):
     def rope(self, x: Any, n_heads: int, positions: Sequence[int], spec: RopeSpec) -> Any:
         """Rotary position embedding of x (n, n_heads * head_dim)."""
 
+    def kv_cache_nbytes(self, n_kv_heads: int, head_dim: int, ctx: int) -> int:
+        """Bytes one layer's KV cache of ``ctx`` positions takes once filled."""
+
     def new_kv_cache(self, n_kv_heads: int, head_dim: int, ctx: int) -> Any:
         """An empty cache for one layer with room for ``ctx`` positions."""
 

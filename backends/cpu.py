@@ -60,11 +60,21 @@ class KVCache:
     """One layer's keys and values as float16 bits (see kernels.attention for the layout)."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, ctx: int):
-        ctx_pad = -(-ctx // attn_k.KEYS_PER_BLOCK) * attn_k.KEYS_PER_BLOCK
+        ctx_pad = self.padded(ctx)
         # np.zeros maps untouched pages lazily, so a long context costs memory only as it fills.
         self.K = np.zeros((n_kv_heads, ctx_pad // 16, head_dim, 16), np.uint16)
         self.V = np.zeros((n_kv_heads, ctx_pad, head_dim), np.uint16)
         self.ctx = ctx
+
+    @staticmethod
+    def padded(ctx: int) -> int:
+        """Positions held for a context of ``ctx`` (whole key blocks)."""
+        return -(-ctx // attn_k.KEYS_PER_BLOCK) * attn_k.KEYS_PER_BLOCK
+
+    @classmethod
+    def nbytes_for(cls, n_kv_heads: int, head_dim: int, ctx: int) -> int:
+        """Bytes of one layer's cache for ``ctx`` positions, once filled."""
+        return 2 * 2 * n_kv_heads * head_dim * cls.padded(ctx)
 
     @property
     def nbytes(self) -> int:
@@ -184,6 +194,8 @@ class CpuBackend:
 
     def new_kv_cache(self, n_kv_heads, head_dim, ctx):
         return KVCache(n_kv_heads, head_dim, ctx)
+
+    kv_cache_nbytes = staticmethod(KVCache.nbytes_for)
 
     def attention(self, q, k, v, cache: KVCache, positions, n_heads, scale, window=0):
         n = q.shape[0]

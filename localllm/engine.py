@@ -60,25 +60,28 @@ def _make_backend(settings: LoadSettings):
     return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
 
 
-def memory_needed(file: GGUFFile, args, ctx: int) -> tuple[int, int]:
+def memory_needed(file: GGUFFile, args, ctx: int, backend=None) -> tuple[int, int]:
     """Bytes a model will hold in memory: (weights, KV cache of ``ctx`` tokens).
 
     Weights are copied into the kernels' layout, except a token embedding table that has a
     separate output matrix (its rows are read from the mapped file as tokens need them).
-    The float16 KV cache is counted full, as a long conversation will fill it.
+    The KV cache (the backend's, default the CPU one) is counted full, as a long
+    conversation will fill it.
     """
     weights = sum(t.nbytes for t in file.tensors.values())
     if "output.weight" in file.tensors and "token_embd.weight" in file.tensors:
         weights -= file.tensors["token_embd.weight"].nbytes
-    ctx_pad = -(-ctx // 16) * 16
-    kv = 2 * 2 * args.n_layers * args.n_kv_heads * args.head_dim * ctx_pad
+    if backend is None:
+        from .backends.cpu import CpuBackend as backend
+    kv = args.n_layers * backend.kv_cache_nbytes(args.n_kv_heads, args.head_dim, ctx)
     return weights, kv
 
 
-def check_memory(file: GGUFFile, args, ctx: int, available: int | None = None) -> None:
-    """Raises EngineError, before anything is loaded, when the weights and a full KV cache
+def check_memory(file: GGUFFile, args, ctx: int, available: int | None = None,
+                 backend=None) -> None:
+    """Raises EngineError, before any weight is loaded, when the weights and a full KV cache
     of ``ctx`` tokens would not fit in the memory available now."""
-    weights, kv = memory_needed(file, args, ctx)
+    weights, kv = memory_needed(file, args, ctx, backend)
     if available is None:
         import psutil
         available = psutil.virtual_memory().available
@@ -161,12 +164,12 @@ class Model:
         ctx = self.settings.ctx_size or min(DEFAULT_CTX, args.context_length)
         if ctx <= 0:
             raise EngineError(f"context size must be positive, got {ctx}")
-        check_memory(self.file, args, ctx)
         self.backend = _make_backend(self.settings)
+        check_memory(self.file, args, ctx, backend=self.backend)
         self.backend.begin_model(self.path)  # may read stored weights while the rest builds
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.resolve(meta, self.settings.chat_template)
-        self.net = build(meta, WeightLoader(self.file, self.backend))
+        self.net = build(meta, WeightLoader(self.file, self.backend), args)
         self.backend.end_model()
         self.args = self.net.args
         self.vocab_size = self.args.vocab_size

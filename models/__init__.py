@@ -30,19 +30,21 @@ def module_for(meta: dict):
     return importlib.import_module(f"{__name__}.{module_name}")
 
 
-def build(meta: dict, loader):
+def build(meta: dict, loader, args=None):
     """Construct the model a GGUF file describes.
 
     Args:
         meta: the file's metadata.
         loader: a WeightLoader over the file and the target backend.
+        args: the architecture's ModelArgs, when the caller has already read them.
     Returns:
         The model object (see models/llama.py for the interface).
     Raises:
         ModelError: unknown architecture or inconsistent metadata/tensors.
     """
     module = module_for(meta)
-    args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
+    if args is None:
+        args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
     return module.Model(args, loader)
 
 

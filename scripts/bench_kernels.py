@@ -14,6 +14,10 @@ import time
 
 import numpy as np
 
+# Random weights of a sane scale, as the kernel tests make them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from kernel_data import random_weight  # noqa: E402
+
 # name -> (N, K) of W; the models' output heads are the largest.
 SHAPES = {
     "smollm.attn_q": (576, 576),
@@ -53,27 +57,6 @@ def l3_bytes() -> int | None:
         return None
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
     return int(s.rstrip("KMG")) * mult
-
-
-def random_tensor(name: str, N: int, K: int, rng: np.random.Generator) -> np.ndarray:
-    """GGUF bytes of a random (N, K) tensor: random quants, f16 scales of a sane size."""
-    from localllm import quants
-
-    if name in ("F32", "F16", "BF16"):
-        w = (rng.standard_normal((N, K), np.float32) * 0.05)
-        if name == "F32":
-            return w.view(np.uint8).reshape(-1)
-        if name == "F16":
-            return w.astype(np.float16).view(np.uint8).reshape(-1)
-        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
-    nb = N * K // quants.block_size(name)
-    blocks = rng.integers(0, 256, (nb, quants.type_size(name)), dtype=np.uint8)
-    off = 0
-    for field, nbytes in quants.BLOCK_LAYOUT[name]:
-        if field in ("d", "m", "dmin"):  # random f16 bits could be inf/NaN or subnormal
-            blocks[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        off += nbytes
-    return blocks.reshape(-1)
 
 
 def _sample(fn, min_calls: int, min_seconds: float) -> tuple[float, float]:
@@ -118,7 +101,7 @@ def copy_weight(w):
 
 
 def bench_one(M, name: str, N: int, K: int, args, rng) -> dict:
-    w = M.pack(name, random_tensor(name, N, K, rng), N, K)
+    w = M.pack(name, random_weight(name, N, K, rng), N, K)
     kind = M.needs(w)
     x1 = rng.standard_normal((1, K), np.float32)
     act1 = M.quantize(x1, need32=kind == "q32", need256=kind == "q256")
