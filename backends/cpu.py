@@ -227,13 +227,10 @@ class CpuBackend:
         return x
 
     def glu(self, gate, up, act):
-        out = np.empty_like(gate)
-        if act == "silu":
-            ops.silu_mul(gate, up, out)
-        elif act == "gelu_tanh":
-            ops.gelu_tanh_mul(gate, up, out)
-        else:
+        if act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unknown activation {act}")
+        out = np.empty_like(gate)
+        ops.glu(gate, up, out, act == "gelu_tanh")
         return out
 
     def add(self, x, y):

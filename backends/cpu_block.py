@@ -12,10 +12,9 @@ from numba.extending import overload
 
 from localllm.kernels import attention as attn_k
 from localllm.kernels import packing as P
-from localllm.kernels.actquant import quantize_q8_32_row, quantize_q8_256_row
+from localllm.kernels.actquant import act_buffers, quantize_q8_32_row, quantize_q8_256_row
 from localllm.kernels.matmul import matmul_tile
-from localllm.kernels.ops import (add_row, gelu_tanh_mul_row, rms_norm_row, rope_row,
-                                  silu_mul_row)
+from localllm.kernels.ops import add_row, glu, rms_norm_row, rope_row
 
 
 def reads(w):
@@ -28,18 +27,6 @@ def _ol_reads(w):
     r32 = name not in P.SUPERBLOCK_FORMATS and name not in P.FLOAT_FORMATS
     r256 = name in P.SUPERBLOCK_FORMATS
     return lambda w: (r32, r256)
-
-
-@njit(cache=True)
-def _acts(n, K, need32, need256):
-    """Buffers for one input's quantized forms (empty when not needed)."""
-    m32 = n if need32 else 0
-    m256 = n if need256 else 0
-    a32 = (np.empty((m32, K), np.int8), np.empty((m32, K // 32), np.float32),
-           np.empty((m32, K // 32), np.int32), np.empty((m32, K // 32), np.float32))
-    a256 = (np.empty((m256, K), np.int8), np.empty((m256, K // 256), np.float32),
-            np.empty((m256, K // 16), np.int32))
-    return a32, a256
 
 
 @njit(cache=True, inline="always")
@@ -144,24 +131,6 @@ def residual(x, y, post_norm, eps):
             _residual_row(t, x, y, post_norm, eps)
 
 
-@njit(cache=True, inline="always")
-def _glu_row(t, gate, up, out, gelu):
-    if gelu:
-        gelu_tanh_mul_row(gate[t], up[t], out[t])
-    else:
-        silu_mul_row(gate[t], up[t], out[t])
-
-
-@njit(cache=True, parallel=True)
-def glu(gate, up, out, gelu):
-    n = gate.shape[0]
-    if n == 1:
-        _glu_row(0, gate, up, out, gelu)
-    else:
-        for t in prange(n):
-            _glu_row(t, gate, up, out, gelu)
-
-
 @njit(cache=True, parallel=True)
 def decoder_block(x, w, cfg, K, V, positions, cos, sin):
     """One decoder block for n tokens, in place on x (n, dim).
@@ -186,7 +155,7 @@ def decoder_block(x, w, cfg, K, V, positions, cos, sin):
     r2, s2 = reads(wk)
     r3, s3 = reads(wv)
     h = np.empty_like(x)
-    a32, a256 = _acts(n, dim, r1 or r2 or r3, s1 or s2 or s3)
+    a32, a256 = act_buffers(n, dim, r1 or r2 or r3, s1 or s2 or s3)
     prepare(x, attn_norm, eps, h, a32, a256)
     q = np.empty((n, q_rows), np.float32)
     k = np.empty((n, kv_rows), np.float32)
@@ -202,7 +171,7 @@ def decoder_block(x, w, cfg, K, V, positions, cos, sin):
     attn_k.attend(q.reshape(n, n_heads, hd), K, V, positions, window, scale, o)
     o2 = o.reshape(n, qd)
     r, s = reads(wo)
-    b32, b256 = _acts(n, qd, r, s)
+    b32, b256 = act_buffers(n, qd, r, s)
     prepare(o2, np.empty(0, np.float32), eps, o2, b32, b256)
     y = np.empty((n, d_rows), np.float32)
     linear1(wo, b32, b256, o2, y)
@@ -212,7 +181,7 @@ def decoder_block(x, w, cfg, K, V, positions, cos, sin):
     # feed-forward
     r1, s1 = reads(w_gate)
     r2, s2 = reads(w_up)
-    c32, c256 = _acts(n, dim, r1 or r2, s1 or s2)
+    c32, c256 = act_buffers(n, dim, r1 or r2, s1 or s2)
     prepare(x, ffn_norm, eps, h, c32, c256)
     gate = np.empty((n, f_rows), np.float32)
     up = np.empty((n, f_rows), np.float32)
@@ -223,7 +192,7 @@ def decoder_block(x, w, cfg, K, V, positions, cos, sin):
     act = np.empty((n, hidden), np.float32)
     glu(gate, up, act, gelu)
     r, s = reads(w_down)
-    e32, e256 = _acts(n, hidden, r, s)
+    e32, e256 = act_buffers(n, hidden, r, s)
     prepare(act, np.empty(0, np.float32), eps, act, e32, e256)
     y2 = np.empty((n, d_rows), np.float32)
     linear1(w_down, e32, e256, act, y2)

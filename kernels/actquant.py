@@ -6,21 +6,29 @@ max/127 stored as f16, quants round(x * 127/max) to nearest-even; for Q8_K the s
 integers and differ only in summation order.
 """
 
+import numpy as np
 from numba import njit, prange
 
-from . import rowmath
 from .rowmath import (q8_32_x1, q8_32_x2, q8_32_x4, q8_32_x8, q8_32_x16, q8_256_block,
                       rows_contiguous)
-
-# Numba caches a kernel by its own file's bytes, not rowmath's: this copy of rowmath's version
-# changes with it, so rowmath edits rebuild these kernels.
-_ROWMATH_VERSION = 1
-if rowmath.ROWMATH_VERSION != _ROWMATH_VERSION:
-    raise ImportError("kernels.actquant is out of step with kernels.rowmath: bump _ROWMATH_VERSION")
 
 # Below this many elements a call stays on one thread: a parallel region costs 2-30 us to
 # start, more than the job (~0.2 ns per element).
 PAR_MIN_ELEMS = 1 << 15
+
+
+@njit(cache=True)
+def act_buffers(n, K, need32, need256):
+    """Empty buffers for the quantized forms of an (n, K) input: (xq, dx, xs, sx) of 32-wide
+    blocks and (xq, dx, bsum) of 256-wide blocks (see quantize_q8_32 / quantize_q8_256); a
+    form that is not needed gets 0 rows."""
+    m32 = n if need32 else 0
+    m256 = n if need256 else 0
+    a32 = (np.empty((m32, K), np.int8), np.empty((m32, K // 32), np.float32),
+           np.empty((m32, K // 32), np.int32), np.empty((m32, K // 32), np.float32))
+    a256 = (np.empty((m256, K), np.int8), np.empty((m256, K // 256), np.float32),
+            np.empty((m256, K // 16), np.int32))
+    return a32, a256
 
 
 @njit(cache=True, inline="always")

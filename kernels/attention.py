@@ -5,7 +5,6 @@ each output element has one fixed arithmetic sequence, whatever the batch or thr
 import numpy as np
 from numba import njit, prange
 
-from . import vmath
 from .attention_steps import KEYS_PER_BLOCK  # noqa: F401 (the cache layout, for callers)
 from .attention_steps import CHUNK, _scores, _softmax, _values, _weights
 from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
@@ -13,11 +12,6 @@ from .vmath import (f32_fma, f32_to_f16_bits, vf_div, vf_fma, vf_load_el,
                     vf_store_f16)
 
 LOG2E = 1.4426950408889634
-
-# Numba's cache only watches this file: bump together with vmath.VMATH_VERSION.
-_VMATH_VERSION = 4
-if vmath.VMATH_VERSION != _VMATH_VERSION:
-    raise ImportError("kernels.attention: bump _VMATH_VERSION to match vmath.VMATH_VERSION")
 
 # Query rows (token, head) per work item about 32: enough to reuse each loaded key/value
 # block, few enough that the item's score rows stay in L2; a multiple of 4 tokens.

@@ -6,7 +6,6 @@ fixed order per output element (see attention.attend for the whole definition).
 import numpy as np
 from numba import njit
 
-from . import vmath
 from .simd import vf_add, vf_load, vf_splat, vf_store, vf_sub, vf_zero
 from .vmath import (f32_exp2, f32_fma, f32_load_el, vf_bcast, vf_exp2, vf_fma, vf_hmax,
                     vf_hsum, vf_keep, vf_load_el, vf_max)
@@ -15,11 +14,6 @@ KEYS_PER_BLOCK = 16
 # Softmax chunk: keys [128c, 128c + 128) by absolute position. Each chunk gets its own max and
 # partial sums, merged in chunk order, so threads may split a long context by chunk.
 CHUNK = 128
-
-# Numba's cache only watches this file: bump together with vmath.VMATH_VERSION.
-_VMATH_VERSION = 4
-if vmath.VMATH_VERSION != _VMATH_VERSION:
-    raise ImportError("kernels.attention_steps: bump _VMATH_VERSION to match vmath.VMATH_VERSION")
 
 
 # ----------------------------------------------------------------------------- scores

@@ -22,7 +22,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from . import packing as P
-from .actquant import quantize_q8_32, quantize_q8_256
+from .actquant import act_buffers, quantize_q8_32, quantize_q8_256
 from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load, vi_load_i8, vi_mul,
                    vi_sll, vi_store, vi_sub, vi_zero)
@@ -337,21 +337,12 @@ def quantize(x: np.ndarray, need32: bool = True, need256: bool = False) -> Quant
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, K = x.shape
-    q32 = q256 = None
+    a32, a256 = act_buffers(n, K, bool(need32), bool(need256))
     if need32:
-        xq = np.empty((n, K), np.int8)
-        dx = np.empty((n, K // 32), np.float32)
-        xs = np.empty((n, K // 32), np.int32)
-        sx = np.empty((n, K // 32), np.float32)
-        quantize_q8_32(x, xq, dx, xs, sx)
-        q32 = (xq, dx, xs, sx)
+        quantize_q8_32(x, *a32)
     if need256:
-        xq = np.empty((n, K), np.int8)
-        dx = np.empty((n, K // 256), np.float32)
-        bsum = np.empty((n, K // 16), np.int32)
-        quantize_q8_256(x, xq, dx, bsum)
-        q256 = (xq, dx, bsum)
-    return QuantActivations(x, q32, q256)
+        quantize_q8_256(x, *a256)
+    return QuantActivations(x, a32 if need32 else None, a256 if need256 else None)
 
 
 def needs(weight: Weight) -> str:

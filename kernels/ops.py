@@ -9,17 +9,10 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from . import rowmath
 from .rowmath import (rows_contiguous, vd_hsum, vd_sqacc, vd_zero, vf_dup_hi, vf_dup_lo,
                       vf_gelu_tanh, vf_load_n, vf_neg_even, vf_silu, vf_store_n, vf_swap_pairs)
 from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_sub
 from .vmath import f32_exp2, vf_exp2, vf_hmax, vf_hsum, vf_max
-
-# Numba caches a kernel by its own file's bytes, not rowmath's: this copy of rowmath's version
-# changes with it, so rowmath edits rebuild these kernels.
-_ROWMATH_VERSION = 1
-if rowmath.ROWMATH_VERSION != _ROWMATH_VERSION:
-    raise ImportError("kernels.ops is out of step with kernels.rowmath: bump _ROWMATH_VERSION")
 
 # Below these many elements a call stays on one thread: a parallel region costs 2-30 us to
 # start, more than the job itself (measured ~0.25 ns per element for the norms and RoPE,
@@ -249,48 +242,48 @@ def gelu_tanh_mul_row(gate, up, out):
         vf_store_n(out, 4 * i, v, F - i)
 
 
-@njit(cache=True, parallel=True)
-def _silu_mul_par(gate, up, out):
-    for t in prange(gate.shape[0]):
-        silu_mul_row(gate[t], up[t], out[t])
+@njit(cache=True, inline="always")
+def glu_row(gate, up, out, gelu):
+    """out = act(gate) * up over one row, act gelu_tanh or silu."""
+    if gelu:
+        gelu_tanh_mul_row(gate, up, out)
+    else:
+        silu_mul_row(gate, up, out)
 
 
 @njit(cache=True, parallel=True)
-def _gelu_tanh_mul_par(gate, up, out):
+def _glu_par(gate, up, out, gelu):
     for t in prange(gate.shape[0]):
-        gelu_tanh_mul_row(gate[t], up[t], out[t])
+        glu_row(gate[t], up[t], out[t], gelu)
+
+
+@njit(cache=True)
+def glu(gate, up, out, gelu):
+    """out = (gelu_tanh if gelu else silu)(gate) * up, elementwise over (n, F) (out may
+    alias gate or up)."""
+    n, F = gate.shape
+    _check_same_shape(gate, up)
+    _check_same_shape(gate, out)
+    _check_rows(gate)
+    _check_rows(up)
+    _check_rows(out)
+    if n > 1 and n * F >= (PAR_MIN_GELU if gelu else PAR_MIN_SILU):
+        _glu_par(gate, up, out, gelu)
+    else:
+        for t in range(n):
+            glu_row(gate[t], up[t], out[t], gelu)
 
 
 @njit(cache=True)
 def silu_mul(gate, up, out):
     """out = silu(gate) * up, elementwise over (n, F) (out may alias gate or up)."""
-    n, F = gate.shape
-    _check_same_shape(gate, up)
-    _check_same_shape(gate, out)
-    _check_rows(gate)
-    _check_rows(up)
-    _check_rows(out)
-    if n > 1 and n * F >= PAR_MIN_SILU:
-        _silu_mul_par(gate, up, out)
-    else:
-        for t in range(n):
-            silu_mul_row(gate[t], up[t], out[t])
+    glu(gate, up, out, False)
 
 
 @njit(cache=True)
 def gelu_tanh_mul(gate, up, out):
     """out = gelu_tanh(gate) * up, elementwise over (n, F) (out may alias gate or up)."""
-    n, F = gate.shape
-    _check_same_shape(gate, up)
-    _check_same_shape(gate, out)
-    _check_rows(gate)
-    _check_rows(up)
-    _check_rows(out)
-    if n > 1 and n * F >= PAR_MIN_GELU:
-        _gelu_tanh_mul_par(gate, up, out)
-    else:
-        for t in range(n):
-            gelu_tanh_mul_row(gate[t], up[t], out[t])
+    glu(gate, up, out, True)
 
 
 # ----------------------------------------------------------------------------- residual add

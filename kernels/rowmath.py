@@ -10,24 +10,15 @@ from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
 
-from .simd import VF, _byte_ptr, _call, _splat, _typed_ptr
+from .simd import (_F32, _I32, _MAGIC32, _MAGIC32_BITS, _V16F32, _V16I8, _V16I32, VF,
+                   _byte_ptr, _call, _fmax, _fold_halves, _splat, _typed_ptr)
 
-# Numba caches a kernel by its own file's bytes only: bump this with any change to what the
-# operations below emit (ops.py and actquant.py check their copies at import).
-ROWMATH_VERSION = 1
-
-_I1, _I8, _I32, _I64 = (ir.IntType(b) for b in (1, 8, 32, 64))
-_I256 = ir.IntType(256)
-_F32, _F64 = ir.FloatType(), ir.DoubleType()
+_I1, _I64, _I256 = ir.IntType(1), ir.IntType(64), ir.IntType(256)
+_F64 = ir.DoubleType()
 _V16I1 = ir.VectorType(_I1, 16)
-_V16I8 = ir.VectorType(_I8, 16)
-_V16I32 = ir.VectorType(_I32, 16)
 _V16I64 = ir.VectorType(_I64, 16)
-_V16F32 = ir.VectorType(_F32, 16)
 _V16F64 = ir.VectorType(_F64, 16)
 
-_MAGIC32 = 12582912.0  # 1.5 * 2**23: adding it rounds a float32 below 2**22 to an integer
-_MAGIC32_BITS = 0x4B400000  # its bit pattern: the sum's bits minus this are that integer
 _MAGIC64 = 6755399441055744.0  # 1.5 * 2**52, the same for float64
 
 
@@ -70,15 +61,6 @@ def _shuffle(builder, a, b, idx):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
 
 
-def _tree(builder, v, combine):
-    """Fold the lanes of ``v`` pairwise (lane j with lane j + half, halving) to a scalar."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        v = combine(_shuffle(builder, v, v, range(n)), _shuffle(builder, v, v, range(n, 2 * n)))
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
 def _pairwise(items, combine):
     """Fold a power-of-two list as a balanced tree: (0 1) (2 3) ..., then pairs of those."""
     while len(items) > 1:
@@ -99,10 +81,6 @@ def _transpose_tree(builder, vecs, combine):
         vecs = [combine(_shuffle(builder, p, q, lo), _shuffle(builder, p, q, hi)) for p, q in pairs]
         g = h
     return vecs[0]
-
-
-def _fmax(builder, a, b):
-    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
 
 def _fabs(builder, v):
@@ -207,7 +185,7 @@ def vd_sqacc(typingctx, acc, a):
 def vd_hsum(typingctx, acc):
     """Sum of the 16 float64 lanes as a fixed tree: lane j + lane j + 8, then + 4, + 2, + 1."""
     def cg(context, builder, sig, args):
-        return _tree(builder, args[0], builder.fadd)
+        return _fold_halves(builder, args[0], builder.fadd)
     return types.float64(acc), cg
 
 
@@ -402,7 +380,7 @@ def q8_256_block(typingctx, x, xoff, qx, qoff, bsum, soff):
         v = [builder.load(_ptr(builder, xp, 64 * k, _V16F32), align=1) for k in range(16)]
         a = [_fabs(builder, vk) for vk in v]
         fmax = lambda p, q: _fmax(builder, p, q)  # noqa: E731
-        amax = _tree(builder, _pairwise(a, fmax), fmax)
+        amax = _fold_halves(builder, _pairwise(a, fmax), fmax)
         # The first element of largest magnitude: the 16 lane masks of |x| == amax joined
         # into one 256-bit mask (element i at bit i), then its lowest set bit.
         at = _splat(builder, amax, _V16F32)

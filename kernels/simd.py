@@ -27,6 +27,9 @@ _V16I8 = ir.VectorType(_I8, 16)
 _V32I8 = ir.VectorType(_I8, 32)
 _V8I32 = ir.VectorType(_I32, 8)
 
+_MAGIC32 = 12582912.0  # 1.5 * 2**23: adding it rounds a float32 below 2**22 to an integer
+_MAGIC32_BITS = 0x4B400000  # its bit pattern: the sum's bits minus this are that integer
+
 
 def target_features() -> frozenset[str]:
     """The CPU features Numba compiles for (its NUMBA_CPU_FEATURES setting, else the host's)."""
@@ -105,6 +108,23 @@ def _as_i32(context, builder, ty, val):
 def _call(builder, name, retty, argtys, args):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(retty, argtys), name)
     return builder.call(fn, args)
+
+
+def _fmax(builder, a, b):
+    """a > b ? a : b per lane (an IEEE compare: the same result on every target)."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+def _fold_halves(builder, v, combine):
+    """Fold the lanes of ``v`` pairwise (lane j with lane j + half, halving) to a scalar: one
+    fixed tree, so a horizontal sum or max has the same bits everywhere."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        idx = ir.VectorType(_I32, n)
+        v = combine(builder.shuffle_vector(v, v, ir.Constant(idx, list(range(n)))),
+                    builder.shuffle_vector(v, v, ir.Constant(idx, list(range(n, 2 * n)))))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
 def _halves(builder, v, n):

@@ -9,12 +9,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (_HAS_F16C, VF, _byte_ptr, _f16_bits_to_f32, _F32, _I32, _splat,
-                   _typed_ptr, _V16F16, _V16F32, _V16I16, _V16I32)
-
-# Bumped when any lowering here changes; callers check it so their Numba cache is rebuilt
-# (the cache only watches the caller's own source file).
-VMATH_VERSION = 4
+from .simd import (_HAS_F16C, _MAGIC32, _MAGIC32_BITS, VF, _byte_ptr, _f16_bits_to_f32, _F32,
+                   _fmax, _fold_halves, _I32, _splat, _typed_ptr, _V16F16, _V16F32, _V16I16,
+                   _V16I32)
 
 # 2**f on [-0.5, 0.5]: near-minimax degree-6 polynomial (relative error 2e-9 in exact
 # arithmetic, under 8e-8 evaluated in float32 with FMA). c0 = 1 so that exp2(0) == 1 exactly.
@@ -37,11 +34,6 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-def _select_gt(builder, a, b):
-    """a > b ? a : b per lane (IEEE compare, so its result is the same on every target)."""
-    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
-
-
 @intrinsic
 def vf_fma(typingctx, a, b, c):
     """a * b + c per lane with a single rounding (llvm.fma)."""
@@ -54,7 +46,7 @@ def vf_fma(typingctx, a, b, c):
 def vf_max(typingctx, a, b):
     """Lane-wise a > b ? a : b."""
     def cg(context, builder, sig, args):
-        return _select_gt(builder, args[0], args[1])
+        return _fmax(builder, args[0], args[1])
     return VF(a, b), cg
 
 
@@ -140,7 +132,7 @@ def _exp2(b, x, fc, ic, ity, fma):
     scalars (fc, ic make constants, ity is the matching integer type)."""
     # Inputs below -126 (-inf included) become -126, so that 2**n stays a normal float.
     xc = b.select(b.fcmp_ordered(">", x, fc(-126.0)), x, fc(-126.0))
-    magic = fc(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer (ties to even)
+    magic = fc(_MAGIC32)  # adding it rounds to an integer (ties to even)
     t = b.fadd(xc, magic)
     n = b.fsub(t, magic)
     f = b.fsub(xc, n)
@@ -149,7 +141,7 @@ def _exp2(b, x, fc, ic, ity, fma):
         p = fma(p, f, fc(c))
     # 2**n from the bits of t (n + 127 = bits(t) - bits(magic) + 127): no float -> int
     # conversion, which would be poison for NaN.
-    pow2 = b.shl(b.sub(b.bitcast(t, ity), ic(0x4B400000 - 127)), ic(23))
+    pow2 = b.shl(b.sub(b.bitcast(t, ity), ic(_MAGIC32_BITS - 127)), ic(23))
     return b.fmul(p, b.bitcast(pow2, x.type))
 
 
@@ -175,23 +167,11 @@ def f32_exp2(typingctx, x):
     return types.float32(x), cg
 
 
-def _reduce(builder, v, op):
-    """Fold 16 lanes to one: halves combined, 16 -> 8 -> 4 -> 2 -> 1 (a fixed tree)."""
-    n = 16
-    while n > 1:
-        n //= 2
-        half = ir.VectorType(_I32, n)
-        lo = builder.shuffle_vector(v, v, ir.Constant(half, list(range(n))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(half, list(range(n, 2 * n))))
-        v = op(lo, hi)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
 @intrinsic
 def vf_hsum(typingctx, v):
     """Sum of the 16 lanes: ((l0+l8)+(l4+l12)) + ... by halving (a fixed tree)."""
     def cg(context, builder, sig, args):
-        return _reduce(builder, args[0], builder.fadd)
+        return _fold_halves(builder, args[0], builder.fadd)
     return types.float32(v), cg
 
 
@@ -199,7 +179,7 @@ def vf_hsum(typingctx, v):
 def vf_hmax(typingctx, v):
     """Maximum of the 16 lanes by the same halving tree as vf_hsum."""
     def cg(context, builder, sig, args):
-        return _reduce(builder, args[0], lambda a, b: _select_gt(builder, a, b))
+        return _fold_halves(builder, args[0], lambda a, b: _fmax(builder, a, b))
     return types.float32(v), cg
 
 
