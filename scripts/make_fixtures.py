@@ -12,11 +12,13 @@ Sections (run one or several):
              -> tests/fixtures/templates/*.json
   logits     llama.cpp's log-probabilities over a passage and greedy continuations
              -> tests/fixtures/logits/*.json (see fixtures_logits.py)
+  ops        llama.cpp's intermediate tensors inside decoder blocks over the passage's
+             first tokens -> tests/fixtures/ops/*.npz (see fixtures_ops.py; run after logits)
 
 The tokenizer and template sections run under a venv with llama-cpp-python
 (e.g. a separate venv) and need the project on PYTHONPATH only to find the models:
 
-  PYTHONPATH=. <venv-with-llama-cpp-python>/bin/python scripts/make_fixtures.py tokenizer template logits
+  PYTHONPATH=. <venv-with-llama-cpp-python>/bin/python scripts/make_fixtures.py tokenizer template logits ops
 """
 
 from __future__ import annotations
@@ -517,11 +519,18 @@ def section_logits(args) -> None:
     run(args, model_path, write_json, FIXTURES)
 
 
+def section_ops(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fixtures_ops import section_ops as run
+    run(args, model_path, FIXTURES)
+
+
 SECTIONS = {
     "unicode": section_unicode,
     "tokenizer": section_tokenizer,
     "template": section_template,
     "logits": section_logits,
+    "ops": section_ops,
 }
 
 
