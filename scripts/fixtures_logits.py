@@ -1,5 +1,5 @@
 """The `logits` section of make_fixtures.py: llama.cpp's teacher-forced log-probabilities over a
-~400-token passage and its greedy continuations of ten prompts, for both real models.
+~400-token passage and its greedy continuations of sixty prompts, for both real models.
 
 Only the top 64 log-probabilities per position are stored (the tests compare distributions
 coarsened to those tokens plus one bucket for the rest). llama.cpp's own disagreement with
@@ -47,6 +47,56 @@ PROMPTS = [
     "The quick brown fox",
     "In machine learning, overfitting means",
     "My favourite book is",
+    "The largest ocean on Earth is",
+    "Photosynthesis is the process by which",
+    "The French Revolution began in",
+    "import numpy as np\n\ndef normalize(x):\n    ",
+    "A haiku about autumn:\n",
+    "The recipe calls for two cups of",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "The mitochondria is",
+    "SELECT name, age FROM users WHERE",
+    "The best way to learn a new language is",
+    "In 1969, astronauts",
+    "Q: What is 12 times 12?\nA:",
+    "The theory of relativity states that",
+    "My grandmother always told me",
+    "The stock market fell sharply today after",
+    "<html>\n<head>\n<title>",
+    "Rain is formed when",
+    "The main causes of the First World War were",
+    "for i in range(10):\n    print(",
+    "A good night's sleep helps",
+    "The Eiffel Tower was built",
+    "Translate to French: Good morning ->",
+    "The human heart has four",
+    "Once there was a dragon who",
+    "The difference between weather and climate is",
+    "function add(a, b) {\n  return",
+    "Bees are important because",
+    "The Amazon rainforest",
+    "Step 1: Preheat the oven to",
+    "Shakespeare wrote",
+    "The speed of light is approximately",
+    "In a democracy, citizens",
+    "The moon orbits",
+    "Electric cars are becoming popular because",
+    "The word 'algorithm' comes from",
+    "To solve a quadratic equation,",
+    "The Great Wall of China",
+    "My plan for the weekend is to",
+    "Volcanoes erupt when",
+    "The meeting has been moved to",
+    "The cat sat on the",
+    "A healthy breakfast includes",
+    "The Internet was originally developed",
+    "Newton's first law says that",
+    "The river flowed quietly through",
+    "class Stack:\n    def __init__(self):\n        ",
+    "The most spoken languages in the world are",
+    "Mount Everest is located",
+    "Dogs are known for their",
+    "The answer to the riddle is",
 ]
 TOPK = 64
 GREEDY_TOKENS = 32
@@ -96,10 +146,18 @@ def logits_doc(path: str) -> dict:
     top = np.argsort(-lp, axis=1, kind="stable")[:, :TOPK]
     top_lp = np.take_along_axis(lp, top, 1)
     seq = log_softmax(_all_logits(path, ids, 1))  # llama.cpp one token at a time
+    # llama.cpp's greedy text was made token by token; score it teacher-forced in one batch
+    hits = total = 0
+    for g in greedy:
+        n_prompt, cont = len(g["prompt_ids"]), np.array(g["continuation"])
+        z = _all_logits(path, g["prompt_ids"] + g["continuation"], 512)
+        hits += int((z[n_prompt - 1:n_prompt - 1 + len(cont)].argmax(1) == cont).sum())
+        total += len(cont)
     return {
         "about": "llama.cpp (llama-cpp-python %s, %d threads): passage ids with BOS, top-%d "
                  "log-probs per position from one batch of 512, argmax, greedy continuations; "
-                 "self: llama.cpp token-by-token against its own batch" % (
+                 "self: llama.cpp token-by-token against its own batch, and its batched argmax along "
+                 "its greedy continuations" % (
                      llama_cpp.__version__, THREADS, TOPK),
         "passage": PASSAGE, "ids": ids, "topk": TOPK,
         "top_ids": top.astype(int).tolist(),
@@ -107,7 +165,8 @@ def logits_doc(path: str) -> dict:
         "argmax": [int(i) for i in lp.argmax(1)],
         "greedy": greedy,
         "self": {"top1": float((seq.argmax(1) == lp.argmax(1)).mean()),
-                 "kl_mean": float(coarse_kl(top, top_lp, seq).mean())},
+                 "kl_mean": float(coarse_kl(top, top_lp, seq).mean()),
+                 "greedy": hits / total},
     }
 
 

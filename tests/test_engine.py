@@ -12,11 +12,15 @@ from localllm.engine import EngineError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logits"
 
-# The targets are 99% top-1 and 97% greedy agreement. llama.cpp does not reach
-# the top-1 figure against itself: run token by token instead of in one batch it agrees
-# with its own batched argmax at 97.0% (SmolLM2) and 93.7% (Gemma) of this passage's
-# positions (stored in each fixture as "self"). Top-1 is held to that self-agreement
-# (minus a small margin for near-ties); the distribution itself must stay within 0.01 nats.
+# The targets set for the engine were 99% top-1 and 97% greedy agreement. llama.cpp does
+# not reach them against itself: run token by token instead of in one batch it agrees with
+# its own batched argmax at 97.0% (SmolLM2) and 93.7% (Gemma) of this passage's positions,
+# and scoring its own greedy text (made token by token) in one batch it agrees at 98.0% and
+# 96.8% (both stored in each fixture as "self"). Every step of our blocks matches llama.cpp's
+# to float rounding (test_llama_cpp_ops.py); what remains is amplified rounding, which any
+# two implementations that are not bit-identical show (docs/PERFORMANCE.md). Top-1 is held
+# to llama.cpp's self-agreement minus a small margin, greedy to a floor, and the
+# distribution itself must stay within 0.01 nats.
 KL_MAX = 0.01
 TOP1_MARGIN = 0.015
 GREEDY_MIN = 0.94
@@ -78,7 +82,8 @@ def test_greedy_continuations_agree_with_llama_cpp(models, name):
                                       max_tokens=len(g["continuation"]), ignore_eos=True)
                 for t in c.tokens]
         identical += free == g["continuation"]
-    print(f"{name}: teacher-forced greedy agreement {hits / total:.4f}, "
+    print(f"{name}: teacher-forced greedy agreement {hits / total:.4f} over {total} positions "
+          f"(llama.cpp batched {fx['self']['greedy']:.4f}), "
           f"free-running identical {identical}/{len(fx['greedy'])}")
     assert hits / total >= GREEDY_MIN
 

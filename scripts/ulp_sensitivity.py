@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""How far a one-ulp change travels through a quantized model.
+
+Runs the logits fixtures' passage through localllm twice, the second time with every
+embedding value moved to the next float32 up (a relative change of ~6e-8), and prints how
+often the argmax changes and the mean KL between the two runs, next to the same figures
+for localllm against llama.cpp and llama.cpp against itself (from the fixtures). It shows
+the floor under any agreement figure between two implementations that are not
+bit-identical: every matmul re-quantizes its input to 8 bits, so the smallest difference
+sometimes crosses a rounding boundary and grows from there.
+
+  python scripts/ulp_sensitivity.py [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import localllm  # noqa: E402
+
+MODELS = {"smollm": "smollm2-135m", "gemma": "gemma3-270m"}
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def kl_top(top_ids, top_lp, other_lp) -> float:
+    """Mean KL(reference || other) over the reference's top tokens plus one bucket."""
+    p = np.exp(top_lp)
+    q = np.exp(np.take_along_axis(other_lp, top_ids, 1))
+    rest = (1 - p.sum(1)) * np.log(np.maximum(1 - p.sum(1), 1e-12)
+                                   / np.maximum(1 - q.sum(1), 1e-12))
+    return float(((p * (top_lp - np.log(q))).sum(1) + rest).mean())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    print("| | top-1 same | mean KL, nats |\n|---|---:|---:|")
+    for name, model in MODELS.items():
+        fx = json.loads((ROOT / "tests" / "fixtures" / "logits" / f"{name}_logits.json")
+                        .read_text())
+        m = localllm.load(model, ctx_size=1024, threads=args.threads)
+        ids = fx["ids"]
+        base = log_softmax(m.logits(ids))
+        embed = m.net.embed
+        m.net.embed = lambda t: np.nextafter(np.asarray(embed(t), np.float32), np.float32(1e30))
+        nudged = log_softmax(m.logits(ids))
+        m.net.embed = embed
+        top = np.argsort(-base, axis=1, kind="stable")[:, :64]
+        ref_top, ref_lp = np.array(fx["top_ids"]), np.array(fx["top_logprobs"])
+        rows = [
+            ("localllm vs localllm with embeddings +1 ulp", (base.argmax(1) == nudged.argmax(1)),
+             kl_top(top, np.take_along_axis(base, top, 1), nudged)),
+            ("localllm vs llama.cpp", base.argmax(1) == np.array(fx["argmax"]),
+             kl_top(ref_top, ref_lp, base)),
+        ]
+        for label, same, kl in rows:
+            print(f"| {name}: {label} | {same.mean():.1%} | {kl:.4f} |")
+        print(f"| {name}: llama.cpp token by token vs batched | {fx['self']['top1']:.1%} "
+              f"| {fx['self']['kl_mean']:.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
