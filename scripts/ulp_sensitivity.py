@@ -27,23 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import localllm  # noqa: E402
+from fixtures_logits import coarse_kl, log_softmax  # noqa: E402  (scripts/ is on sys.path)
 
 MODELS = {"smollm": "smollm2-135m", "gemma": "gemma3-270m"}
-
-
-def log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
-def kl_top(top_ids, top_lp, other_lp) -> float:
-    """Mean KL(reference || other) over the reference's top tokens plus one bucket."""
-    p = np.exp(top_lp)
-    q = np.exp(np.take_along_axis(other_lp, top_ids, 1))
-    rest = (1 - p.sum(1)) * np.log(np.maximum(1 - p.sum(1), 1e-12)
-                                   / np.maximum(1 - q.sum(1), 1e-12))
-    return float(((p * (top_lp - np.log(q))).sum(1) + rest).mean())
 
 
 def nudge(m):
@@ -95,9 +81,9 @@ def main(argv=None) -> int:
         ref_top, ref_lp = np.array(fx["top_ids"]), np.array(fx["top_logprobs"])
         rows = [
             ("localllm vs localllm with embeddings +1 ulp", (base.argmax(1) == nudged.argmax(1)),
-             kl_top(top, np.take_along_axis(base, top, 1), nudged)),
+             coarse_kl(top, np.take_along_axis(base, top, 1), nudged).mean()),
             ("localllm vs llama.cpp", base.argmax(1) == np.array(fx["argmax"]),
-             kl_top(ref_top, ref_lp, base)),
+             coarse_kl(ref_top, ref_lp, base).mean()),
         ]
         for label, same, kl in rows:
             print(f"| {name}: {label} | {same.mean():.1%} | {kl:.4f} |")

@@ -67,6 +67,16 @@ def block_steps(m, fx, layer):
         return fx[f"{layer}/{key}"].copy()
 
     steps = []
+
+    def residual(part, x_key, out_key, post_norm, post_key, sum_key):
+        """The sub-block's output, normed first where the architecture does, added back."""
+        y = g(out_key)
+        if post_norm is not None:
+            steps.append((f"post_{part}_norm", be.rms_norm(y, post_norm, s.norm_eps),
+                          g(post_key)))
+            y = g(post_key)
+        steps.append((f"residual_{part}", be.add(g(x_key), y), g(sum_key)))
+
     if layer == 0:
         steps.append(("embedding", net.embed(fx["ids"][rows]), g("x")))
     steps.append(("attn_norm", be.rms_norm(g("x"), w.attn_norm, s.norm_eps), g("attn_norm")))
@@ -89,12 +99,7 @@ def block_steps(m, fx, layer):
                      s.attn_scale, s.window)
     steps.append(("attention", np.asarray(o)[rows], g("attn")))
     steps.append(("wo", be.linear(g("attn"), [w.wo])[0], g("attn_out")))
-    o = g("attn_out")
-    if w.post_attn_norm is not None:
-        steps.append(("post_attn_norm", be.rms_norm(o, w.post_attn_norm, s.norm_eps),
-                      g("attn_post_norm")))
-        o = g("attn_post_norm")
-    steps.append(("residual_attn", be.add(g("x"), o), g("ffn_inp")))
+    residual("attn", "x", "attn_out", w.post_attn_norm, "attn_post_norm", "ffn_inp")
     steps.append(("ffn_norm", be.rms_norm(g("ffn_inp"), w.ffn_norm, s.norm_eps), g("ffn_norm")))
     gate, up = be.linear(g("ffn_norm"), [w.w_gate, w.w_up])
     steps += [("w_gate", gate, g("gate")), ("w_up", up, g("up"))]
@@ -102,12 +107,7 @@ def block_steps(m, fx, layer):
     if s.activation == "gelu_tanh":
         steps.append(("llama_cpp_geglu_table", llama_cpp_geglu(g("gate"), g("up")), g("act")))
     steps.append(("w_down", be.linear(g("act"), [w.w_down])[0], g("ffn_out")))
-    y = g("ffn_out")
-    if w.post_ffn_norm is not None:
-        steps.append(("post_ffn_norm", be.rms_norm(y, w.post_ffn_norm, s.norm_eps),
-                      g("ffn_post_norm")))
-        y = g("ffn_post_norm")
-    steps.append(("residual_ffn", be.add(g("ffn_inp"), y), g("l_out")))
+    residual("ffn", "ffn_inp", "ffn_out", w.post_ffn_norm, "ffn_post_norm", "l_out")
     return steps
 
 
