@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-p", "--prompt", help="the prompt ('-' reads standard input)")
     src.add_argument("-f", "--file", help="read the prompt from a file")
     run.add_argument("-sys", "--system", default=None, help="system message (chat models)")
-    run.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    run.add_argument("--raw", action="store_true",
+                     help="no chat template: continue the text (the default for models whose "
+                          "file has no chat template, unless --chat-template or --system)")
     run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
     _add_model_options(run)
     _add_sampling_options(run)
@@ -139,7 +141,11 @@ def cmd_run(args) -> int:
                  batch_size=args.batch_size, chat_template=args.chat_template,
                  models_dir=args.models_dir, weight_cache=not args.no_weight_cache)
     load_s = time.perf_counter() - t0
-    if args.raw:
+    # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
+    # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
+    chat = not args.raw and (model.template.name == "file" or args.chat_template is not None
+                             or args.system is not None)
+    if not chat:
         stream = model.generate(prompt, **sampling)
     else:
         messages = []

@@ -126,7 +126,7 @@ def worker_llama(path: str, ids: list[int], threads: int, reps: int) -> dict:
 
 def oneshot_llama(path: str, threads: int, prompt: str) -> None:
     """What `llm run -n 32` does, through llama-cpp-python (timed from outside); ``prompt``
-    is the conversation already rendered with the model's chat template."""
+    is already rendered with the model's chat template where its file has one."""
     import llama_cpp
     llm = llama_cpp.Llama(path, n_ctx=4096, n_threads=threads, verbose=False)
     # Both engines generate exactly ONESHOT_TOKENS: end-of-generation tokens are banned here
@@ -208,8 +208,10 @@ def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dic
         from localllm.chat_template import ChatTemplate
         from localllm.gguf import GGUFFile
         with GGUFFile(path) as f:
-            rendered = ChatTemplate.resolve(f.metadata).render(
-                [{"role": "user", "content": ONESHOT_PROMPT}])
+            template = ChatTemplate.resolve(f.metadata)
+        # as `llm run` does: the file's chat template if it has one, else the plain prompt
+        rendered = (template.render([{"role": "user", "content": ONESHOT_PROMPT}])
+                    if template.name == "file" else ONESHOT_PROMPT)
         cmd = [llama_python, __file__, "--oneshot-llama", path, "--threads", str(threads),
                "--prompt", rendered]
         out["llama_cpp_s"] = time_command(cmd, env, runs)

@@ -1,6 +1,7 @@
 """The `llm` command as a user runs it: real processes, real models."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -21,14 +22,31 @@ def llm(*args, stdin=None, timeout=300):
 def test_run_default_model_answers(smollm_path):
     r = llm("run", "-p", "What is the capital of France?", "-n", "12", "--temp", "0")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
+    assert r.stdout.strip()  # (greedy, this 135M model names landmarks; llama.cpp's does too)
     assert r.stderr == ""
 
 
 def test_run_gemma_by_name(gemma_path):
-    r = llm("run", "gemma3-270m", "-p", "What is the capital of France?", "-n", "8", "--temp", "0")
+    r = llm("run", "gemma3-270m", "-p", "What is the capital of France?", "-n", "12", "--temp", "0")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
+    # the base model continues the question; llama.cpp's greedy text is the same
+    assert "The capital of France is Paris." in r.stdout
+
+
+def prompt_tokens(*args):
+    r = llm("run", *args, "-p", "What is the capital of France?", "-n", "1", "--temp", "0", "-v")
+    assert r.returncode == 0, r.stderr
+    return int(re.search(r"prompt: (\d+) tokens", r.stderr).group(1))
+
+
+def test_chat_template_only_where_the_model_has_one(smollm_path, gemma_path):
+    # SmolLM2's file has a chat template: its turns wrap the prompt unless --raw.
+    assert prompt_tokens(str(smollm_path)) > prompt_tokens(str(smollm_path), "--raw") + 5
+    # This Gemma-3 file is the base model, without one: the text is continued as it is
+    # (BOS + 7 tokens), unless a template or a system message is asked for.
+    assert prompt_tokens(str(gemma_path)) == 8
+    assert prompt_tokens(str(gemma_path), "--chat-template", "gemma") == 16
+    assert prompt_tokens(str(gemma_path), "-sys", "Be brief.") > 16
 
 
 def test_prompt_from_stdin_and_file(smollm_path, tmp_path):
