@@ -177,6 +177,12 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise TemplateError(f"{_hint(name)}; it does not compile: {e}") from None
 
+    @property
+    def from_file(self) -> bool:
+        """Whether this is the model file's own template (a file without one is taken for a
+        base model: `llm run` continues its prompt as text)."""
+        return self.name == "file"
+
     @classmethod
     def resolve(cls, meta: Mapping[str, Any], override: str | None = None) -> "ChatTemplate":
         """Pick the template for a model.

@@ -143,7 +143,7 @@ def cmd_run(args) -> int:
     load_s = time.perf_counter() - t0
     # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
-    chat = not args.raw and (model.template.name == "file" or args.chat_template is not None
+    chat = not args.raw and (model.template.from_file or args.chat_template is not None
                              or args.system is not None)
     if not chat:
         stream = model.generate(prompt, **sampling)

@@ -211,7 +211,7 @@ def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dic
             template = ChatTemplate.resolve(f.metadata)
         # as `llm run` does: the file's chat template if it has one, else the plain prompt
         rendered = (template.render([{"role": "user", "content": ONESHOT_PROMPT}])
-                    if template.name == "file" else ONESHOT_PROMPT)
+                    if template.from_file else ONESHOT_PROMPT)
         cmd = [llama_python, __file__, "--oneshot-llama", path, "--threads", str(threads),
                "--prompt", rendered]
         out["llama_cpp_s"] = time_command(cmd, env, runs)

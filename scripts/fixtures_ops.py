@@ -10,6 +10,7 @@ attention, the keys and values of all 64 rows.
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 
 import numpy as np
@@ -131,7 +132,6 @@ def ops_doc(path: str, name: str, passage_ids: list[int]) -> dict[str, np.ndarra
 
 
 def section_ops(args, model_path, fixtures) -> None:
-    import json
     for name in ("smollm", "gemma"):
         ids = json.loads((fixtures / "logits" / f"{name}_logits.json").read_text())["ids"]
         doc = ops_doc(model_path(name), name, ids)
