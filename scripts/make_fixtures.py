@@ -14,6 +14,8 @@ Sections (run one or several):
              -> tests/fixtures/logits/*.json (see fixtures_logits.py)
   ops        llama.cpp's intermediate tensors inside decoder blocks over the passage's
              first tokens -> tests/fixtures/ops/*.npz (see fixtures_ops.py; run after logits)
+  bits       our own logits over the passages, hashed per position: what the engine must
+             keep reproducing bit for bit -> tests/fixtures/logits/*_bits.json (no llama.cpp)
 
 The tokenizer and template sections run under a venv with llama-cpp-python
 (e.g. a separate venv) and need the project on PYTHONPATH only to find the models:
@@ -525,12 +527,19 @@ def section_ops(args) -> None:
     run(args, model_path, FIXTURES)
 
 
+def section_bits(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fixtures_bits import section_bits as run
+    run(args, model_path, write_json, FIXTURES)
+
+
 SECTIONS = {
     "unicode": section_unicode,
     "tokenizer": section_tokenizer,
     "template": section_template,
     "logits": section_logits,
     "ops": section_ops,
+    "bits": section_bits,
 }
 
 
