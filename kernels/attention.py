@@ -1,17 +1,30 @@
-"""Causal (optionally sliding-window) GQA attention over a float16 KV cache, batch-invariant:
-each output element has one fixed arithmetic sequence, whatever the batch or thread split.
+"""Causal (optionally sliding-window) GQA attention over paged KV caches, batch-invariant:
+each output element has one fixed arithmetic sequence, whatever the batch, the sequences
+batched with it, the page placement or the thread split.
+
+Keys and values live in pages of ``block_size`` tokens (kvpages.py: the layout and the KV
+types); each sequence's block table maps its blocks to pages, and the kernels read the pages
+through it, for prompt chunks and decode alike.
 """
+
+from collections import namedtuple
 
 import numpy as np
 from numba import njit, prange
 
 from .attention_steps import KEYS_PER_BLOCK  # noqa: F401 (the cache layout, for callers)
 from .attention_steps import CHUNK, _scores, _softmax, _values, _weights
+from .kvpages import PAD, group_nbytes, row_nbytes, store_key, store_value
 from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
-from .vmath import (f32_fma, f32_to_f16_bits, vf_div, vf_fma, vf_load_el,
-                    vf_store_f16)
+from .vmath import f32_fma, vf_div, vf_fma
 
 LOG2E = 1.4426950408889634
+
+# What one layer's attention reads: its pages (kvpages.Pages* tuples), the batch's block
+# tables (int32 (n_seqs, max_blocks), -1 for blocks not held) and each token's row in them.
+# (The parallel kernels take the fields one by one: Numba's parallel loops cannot use a
+# tuple nested in another tuple.)
+PagedKV = namedtuple("PagedKV", ["K", "V", "tables", "row_seq", "block_size", "n_kv"])
 
 # Query rows (token, head) per work item about 32: enough to reuse each loaded key/value
 # block, few enough that the item's score rows stay in L2; a multiple of 4 tokens.
@@ -26,8 +39,6 @@ _RUNS = 48
 # about _SPLIT_UNITS pieces (decode and short verification batches).
 _MIN_ITEMS = 4
 _SPLIT_UNITS = 8
-# Largest float32 copy of keys and values a call makes (beyond it, they are read as half).
-_COPY_BYTES = 64 << 20
 
 
 @njit(cache=True)
@@ -51,66 +62,72 @@ def _check_c3(a, n0, n1, n2):
 
 
 @njit(cache=True)
-def _check_cache(K, V, n_kv, hd):
-    """The cache layout kv_write documents, C-contiguous."""
-    ctx = V.shape[1]
-    return (_check_c3(V, n_kv, ctx, hd) and K.shape[0] == n_kv and K.shape[1] * 16 == ctx
-            and K.shape[2] == hd and K.shape[3] == 16 and _c_strides(K))
+def n_pages(K, V, bs, n_kv, hd):
+    """Pages a layer's arrays hold, or -1 when K and V disagree or the geometry is bad."""
+    if bs <= 0 or bs % 16 or n_kv <= 0:
+        return -1
+    kp = (K.a.size - PAD) // (n_kv * (bs // 16) * group_nbytes(K, hd))
+    vp = (V.a.size - PAD) // (n_kv * bs * row_nbytes(V, hd))
+    return kp if kp == vp else -1
+
+
+@njit(cache=True)
+def _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, need_all):
+    """Every token's page (need_all: and every page its attention reads) is a valid page of
+    the layer; raises ValueError otherwise, before anything is read or written."""
+    npg = n_pages(K, V, bs, n_kv, hd)
+    gpp = bs // 16
+    if npg < 0 or positions.shape[0] != row_seq.shape[0]:
+        raise ValueError("paged KV: shapes or layouts do not match")
+    for t in range(positions.shape[0]):
+        s = row_seq[t]
+        p = positions[t]
+        if s < 0 or s >= tables.shape[0] or p < 0 or p >= tables.shape[1] * bs:
+            raise ValueError("paged KV: position or sequence outside the block tables")
+        first = p
+        if need_all:
+            first = max(0, p - window + 1) if window > 0 else 0
+        for b in range(first // 16, p // 16 + 1):
+            page = tables[s, b // gpp]
+            if page < 0 or page >= npg:
+                raise ValueError("paged KV: a block the attention needs is not held")
 
 
 @njit(cache=True, parallel=True)
-def kv_write(K, V, k, v, positions):
-    """Round new keys/values to half and store them in the cache.
+def kv_write(K, V, tables, row_seq, bs, k, v, positions):
+    """Round new keys/values to the KV type and store them in their sequences' pages.
 
     Args:
-        K: uint16 (n_kv, ctx // 16, hd, 16), half bits; position p is K[:, p // 16, :, p % 16].
-        V: uint16 (n_kv, ctx, hd), half bits.
-        k, v: float32 (n, n_kv, hd), C-contiguous, for the tokens at ``positions`` (int64 (n,)).
+        K, V, tables, row_seq, bs: the PagedKV fields of the layer and batch.
+        k, v: float32 (n, n_kv, hd), C-contiguous, for the tokens at ``positions`` (int64 (n,)),
+            token t in the sequence of table row row_seq[t].
     """
     n, n_kv, hd = k.shape
-    ctx = V.shape[1]
-    if not (_check_c3(k, n, n_kv, hd) and _check_c3(v, n, n_kv, hd)
-            and _check_cache(K, V, n_kv, hd)):
+    if not (_check_c3(k, n, n_kv, hd) and _check_c3(v, n, n_kv, hd)):
         raise ValueError("kv_write: shapes or layouts do not match")
-    for t in range(n):
-        if positions[t] < 0 or positions[t] >= ctx:
-            raise ValueError("kv_write: position outside the cache")
-    hd16 = hd - hd % 16
+    _check_rows(K, V, tables, row_seq, bs, n_kv, positions, 0, hd, False)
+    gpp = bs // 16
+    gb = group_nbytes(K, hd)
+    rb = row_nbytes(V, hd)
     for h in prange(n_kv):
-        row = np.empty(hd, np.uint16)
+        tmp = np.empty(32, np.int32)
         for t in range(n):
             p = positions[t]
-            src = (t * n_kv + h) * hd
-            dst = (h * ctx + p) * hd
-            for d in range(0, hd16, 16):
-                vf_store_f16(row, d * 2, vf_load(k, (src + d) * 4))
-                vf_store_f16(V, (dst + d) * 2, vf_load(v, (src + d) * 4))
-            for d in range(hd16, hd):
-                row[d] = f32_to_f16_bits(k[t, h, d])
-                V[h, p, d] = f32_to_f16_bits(v[t, h, d])
-            blk = p // 16
-            lane = p % 16
-            for d in range(hd):
-                K[h, blk, d, lane] = row[d]
+            page = tables[row_seq[t], p // bs]
+            slot = p % bs
+            store_key(K, ((page * n_kv + h) * gpp + slot // 16) * gb, slot % 16, hd, k[t, h],
+                      tmp)
+            store_value(V, ((page * n_kv + h) * bs + slot) * rb, hd, v[t, h], tmp)
 
 
 @njit(cache=True)
-def _widen_copy(src, s0, dst, d0, count):
-    """dst[d0 : d0 + count] = src[s0 : s0 + count] as float32 (element offsets, count a
-    multiple of 16)."""
-    for i in range(0, count, 16):
-        vf_store(dst, (d0 + i) * 4, vf_load_el(src, s0 + i))
-
-
-@njit(cache=True)
-def _item(q, Ks, Vs, src, positions, window, c, out, t0, t1, kvh, c0, c1, split, P, PmPl):
-    """Attention of tokens t0..t1-1 for the query heads of KV head kvh, over key chunks
-    c0..c1. Keys and values from Ks, Vs: the cache or its float32 copy, described by src =
-    (n_kv, K element offset, V element offset, blocks per KV head, first block). Not split:
-    the whole result into ``out``. Split: per-chunk partials into P (n * H, chunks, hd) and
-    PmPl (2, n * H, chunks) (chunk maxima and sums) for _merge."""
+def _item(q, K, V, trow, bs, n_kv, positions, window, c, out, t0, t1, kvh, c0, c1, split, P,
+          PmPl):
+    """Attention of tokens t0..t1-1 (one sequence, block table ``trow``) for the query heads
+    of KV head kvh, over key chunks c0..c1. Not split: the whole result into ``out``. Split:
+    per-chunk partials into P (n * H, chunks, hd) and PmPl (2, n * H, chunks) (chunk maxima
+    and sums) for _merge."""
     n, H, hd = q.shape
-    n_kv, ka, va, nbs, b0 = src
     G = H // n_kv
     rows = (t1 - t0) * G
     R = rows
@@ -131,6 +148,16 @@ def _item(q, Ks, Vs, src, positions, window, c, out, t0, t1, kvh, c0, c1, split,
             bmax = max(bmax, ri[R + r] // 16)
     if bmax < 0:
         return
+    # Byte addresses of the blocks' key groups, then of their first value rows.
+    gpp = bs // 16
+    gb = group_nbytes(K, hd)
+    rb = row_nbytes(V, hd)
+    nb = bmax - bmin + 1
+    ad = np.empty(2 * nb, np.int64)
+    for b in range(bmin, bmax + 1):
+        ph = trow[b // gpp] * n_kv + kvh
+        ad[b - bmin] = (ph * gpp + b % gpp) * gb
+        ad[nb + b - bmin] = (ph * bs + b % gpp * 16) * rb
     span = (bmax - bmin + 1) * 16
     kbase = bmin * 16
     cbase = kbase // CHUNK
@@ -159,9 +186,9 @@ def _item(q, Ks, Vs, src, positions, window, c, out, t0, t1, kvh, c0, c1, split,
         ri[3 * R + r] = (oo + r * hd) * 4
         ri[4 * R + r] = (wo + r * nch) * 4
     fold = not split  # a variable, not a literal: one compiled _values for both uses
-    _scores(fl, Ks, ri, rows, hd, ka + (kvh * nbs - b0) * hd * 16, qo * 4)
+    _scores(fl, K, ad, bmin, ri, rows, hd, qo * 4)
     _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold)
-    v0 = va + (kvh * nbs - b0) * 16 * hd
+    vb = nb - bmin
     if split:
         nchunks = P.shape[1]
         for r in range(rows):
@@ -171,11 +198,12 @@ def _item(q, Ks, Vs, src, positions, window, c, out, t0, t1, kvh, c0, c1, split,
                 for cc in range(ri[r] // CHUNK, ri[R + r] // CHUNK + 1):
                     PmPl[0, row, cc] = fl[mo + r * nch + cc - cbase]
                     PmPl[1, row, cc] = fl[lo + r * nch + cc - cbase]
-        _values(fl, Vs, P.reshape(-1), ri, rows, hd, v0, hd * 4, cbase, cbase + nch - 1, cbase,
-                fold)
+        _values(fl, V, P.reshape(-1), ri, rows, hd, ad, vb, rb, hd * 4, cbase,
+                cbase + nch - 1, cbase, fold)
         return
     fl[oo:oo + rows * hd] = 0.0
-    _values(fl, Vs, fl, ri, rows, hd, v0, np.int64(0), cbase, cbase + nch - 1, cbase, fold)
+    _values(fl, V, fl, ri, rows, hd, ad, vb, rb, np.int64(0), cbase, cbase + nch - 1,
+            cbase, fold)
     for r in range(rows):
         t = t0 + r // G
         h = kvh * G + r % G
@@ -185,21 +213,6 @@ def _item(q, Ks, Vs, src, positions, window, c, out, t0, t1, kvh, c0, c1, split,
             vf_store(out, ob + d * 4, vf_div(vf_load(fl, (oo + r * hd + d) * 4), den))
         for d in range(hd16, hd):
             out[t, h, d] = fl[oo + r * hd + d] / fl[to + r]
-
-
-@njit(cache=True, parallel=True)
-def _widen_cache(K, V, b0, nb, Kc, Vc, ka, va):
-    """Float32 copies of key blocks b0..b0+nb-1 (and their values) of every KV head, laid out
-    like the cache, at element offsets ka of Kc and va of Vc."""
-    n_kv, nblk, hd, _ = K.shape
-    per = hd * 16  # elements per block
-    pieces = (nb + 15) // 16
-    for u in prange(n_kv * pieces):
-        h = u // pieces
-        b = (u % pieces) * 16
-        cnt = min(16, nb - b) * per
-        _widen_copy(K, (h * nblk + b0 + b) * per, Kc, ka + (h * nb + b) * per, cnt)
-        _widen_copy(V, (h * nblk + b0 + b) * per, Vc, va + (h * nb + b) * per, cnt)
 
 
 @njit(cache=True)
@@ -238,11 +251,12 @@ def _merge(P, PmPl, positions, window, out):
 
 
 @njit(cache=True, parallel=True)
-def attend(q, K, V, positions, window, scale, out):
-    """out[t, h] = softmax(scale * q[t, h] . K[j]) @ V[j] over keys j = lo..positions[t].
+def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
+    """out[t, h] = softmax(scale * q[t, h] . K[j]) @ V[j] over keys j = lo..positions[t] of
+    token t's own sequence.
 
     Per output element, whatever the batch and thread split (float32; K, V widened exactly
-    from half; fma = one rounding; chunk c = keys 128c..128c+127 within lo..p):
+    from their KV type; fma = one rounding; chunk c = keys 128c..128c+127 within lo..p):
       qs[d] = q[d] * f32(scale * log2(e));
       s_j = fma chain over d = 0..hd-1 of qs[d] * K_j[d], from +0;
       per chunk: m_c = max s_j;  e_j = exp2(s_j - m_c)  (vmath.vf_exp2);
@@ -254,30 +268,36 @@ def attend(q, K, V, positions, window, scale, out):
 
     Args:
         q: float32 (n, H, hd), C-contiguous; H a multiple of n_kv (grouped-query attention).
-        K, V: the half cache (see kv_write), already holding every key up to each position.
+        K, V, tables, row_seq, bs, n_kv: the PagedKV fields of the layer and batch, its pages
+            already holding every key up to each token's position (kv_write first).
         positions: int64 (n,) each query's position; it sees keys lo..position.
         window: sliding window (lo = position - window + 1, at least 0), 0 for none.
         scale: score multiplier.
         out: float32 (n, H, hd), C-contiguous; written.
     """
     n, H, hd = q.shape
-    n_kv = K.shape[0]
-    ctx = V.shape[1]
     if not (_check_c3(q, n, H, hd) and _check_c3(out, n, H, hd) and n_kv > 0
-            and H % n_kv == 0 and _check_cache(K, V, n_kv, hd)):
+            and H % n_kv == 0):
         raise ValueError("attend: shapes or layouts do not match")
+    _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, True)
     pmax = 0
-    kmin = ctx
     for t in range(n):
-        p = positions[t]
-        if p < 0 or p >= ctx:
-            raise ValueError("attend: position outside the cache")
-        pmax = max(pmax, p)
-        kmin = min(kmin, max(0, p - window + 1) if window > 0 else 0)
+        pmax = max(pmax, positions[t])
     G = H // n_kv
     c = np.float32(scale * LOG2E)
     tile = 4 * max(1, _ROWS_PER_ITEM // (4 * G))
-    nt = (n + tile - 1) // tile
+    # Token tiles: runs of consecutive tokens of one sequence, at most ``tile`` long.
+    tiles = np.empty(n + 1, np.int64)
+    nt = 0
+    t = 0
+    while t < n:
+        tiles[nt] = t
+        e = t + 1
+        while e < n and e - t < tile and row_seq[e] == row_seq[t]:
+            e += 1
+        nt += 1
+        t = e
+    tiles[nt] = n
     nchunks = pmax // CHUNK + 1
     split = nt * n_kv < _MIN_ITEMS and nchunks > 1
     cg = nchunks  # chunks per item
@@ -293,8 +313,8 @@ def attend(q, K, V, positions, window, scale, out):
     for i in range(n_items):
         ti = i // (n_kv * ncg)
         c0 = (i % ncg) * cg
-        t0 = ti * tile
-        t1 = min(n, t0 + tile)
+        t0 = tiles[ti]
+        t1 = tiles[ti + 1]
         keys = 0
         for t in range(t0, t1):
             p = positions[t]
@@ -312,35 +332,15 @@ def attend(q, K, V, positions, window, scale, out):
     bounds[_RUNS] = n_items
     P = np.empty((n * H if split else 0, nchunks, hd), np.float32)
     PmPl = np.empty((2, n * H if split else 0, nchunks), np.float32)
-    # Prompt-sized batches read keys and values from one float32 copy of the blocks they
-    # need: FMAs then take aligned float32 operands instead of sharing ports with half
-    # conversions. Decode reads the half cache directly: there each value serves G rows only,
-    # too few to pay for the copy. (Two compiled _item variants, one per source type.)
-    b0 = kmin // 16
-    nb = pmax // 16 - b0 + 1
-    copy = not split and n * G >= 8 and 2 * n_kv * nb * 16 * hd * 4 <= _COPY_BYTES
-    Kc = np.empty(n_kv * nb * 16 * hd + 16 if copy else 0, np.float32)
-    Vc = np.empty(Kc.size, np.float32)
-    zero = np.int64(0)
-    ka = zero
-    va = zero
-    if copy:
-        ka = np.int64((64 - Kc.ctypes.data % 64) % 64 // 4)
-        va = np.int64((64 - Vc.ctypes.data % 64) % 64 // 4)
-        _widen_cache(K, V, b0, nb, Kc, Vc, ka, va)
     for w in prange(_RUNS):
         for i in range(bounds[w], bounds[w + 1]):
             ti = i // (n_kv * ncg)
             kvh = (i // ncg) % n_kv
             c0 = (i % ncg) * cg
-            t0 = ti * tile
-            t1 = min(n, t0 + tile)
+            t0 = tiles[ti]
+            t1 = tiles[ti + 1]
             c1 = min(nchunks, c0 + cg) - 1
-            if copy:
-                _item(q, Kc, Vc, (n_kv, ka, va, nb, b0), positions, window, c, out, t0, t1,
-                      kvh, c0, c1, split, P, PmPl)
-            else:
-                _item(q, K, V, (n_kv, zero, zero, K.shape[1], zero), positions, window, c,
-                      out, t0, t1, kvh, c0, c1, split, P, PmPl)
+            _item(q, K, V, tables[row_seq[t0]], bs, n_kv, positions, window, c, out, t0, t1,
+                  kvh, c0, c1, split, P, PmPl)
     if split:
         _merge(P, PmPl, positions, window, out)

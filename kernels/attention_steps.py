@@ -6,9 +6,10 @@ fixed order per output element (see attention.attend for the whole definition).
 import numpy as np
 from numba import njit
 
+from .kvpages import k_dim, k_scale, v_dims, v_el
 from .simd import vf_add, vf_load, vf_splat, vf_store, vf_sub, vf_zero
-from .vmath import (f32_exp2, f32_fma, f32_load_el, vf_bcast, vf_exp2, vf_fma, vf_hmax,
-                    vf_hsum, vf_keep, vf_load_el, vf_max)
+from .vmath import (f32_exp2, f32_fma, vf_bcast, vf_exp2, vf_fma, vf_hmax, vf_hsum, vf_keep,
+                    vf_max)
 
 KEYS_PER_BLOCK = 16
 # Softmax chunk: keys [128c, 128c + 128) by absolute position. Each chunk gets its own max and
@@ -23,15 +24,16 @@ CHUNK = 128
 # ri[r] = first key, ri[R + r] = last key (R rows; empty when first > last), ri[2R + r] =
 # byte offset in fl of the row's score of key 0, ri[3R + r] = byte offset in the output D of
 # its dim 0, ri[4R + r] = byte offset in fl of its weight of chunk ``cbase``.
-# Keys and values come either straight from the half cache or from a float32 copy of it
-# (vmath.vf_load_el reads both, exactly); offsets into them are in elements.
+# Keys and values are read from the KV pages through the item's block addresses: ``ad``
+# holds, for key block b (16 keys) from ``b0`` on, the byte offset of its key group at
+# ad[b - b0] and of its first value row at ad[nb + b - b0] (see kvpages for the layout).
 
 @njit(cache=True)
-def _scores(fl, Ks, ri, rows, hd, kb, qb):
+def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
     """Scores s_key of each row's key blocks, stored in its S row (see ri); qs at byte qb of
-    fl (rows x hd), block b of Ks at element kb + b * hd * 16. Rows go 4 at a time (a group
-    of 3 repeats its last row) against 4 blocks, then single blocks; 1-2 leftover rows alone."""
-    kst = hd * 16
+    fl (rows x hd). Rows go 4 at a time (a group of 3 repeats its last row) against 4 blocks,
+    then single blocks; 1-2 leftover rows alone. Dims in order, in runs of 32 that share the
+    quantized types' scales."""
     for ra in range(0, rows, 4):
         rb = min(ra + 3, rows - 1)
         if rb - ra < 2:
@@ -46,16 +48,25 @@ def _scores(fl, Ks, ri, rows, hd, kb, qb):
                     b1 = min(b + 1, bh)
                     b2 = min(b + 2, bh)
                     b3 = min(b + 3, bh)
+                    g0 = ad[b - b0]
+                    g1 = ad[b1 - b0]
+                    g2 = ad[b2 - b0]
+                    g3 = ad[b3 - b0]
                     a0 = vf_zero()
                     a1 = vf_zero()
                     a2 = vf_zero()
                     a3 = vf_zero()
-                    for d in range(hd):
-                        x = vf_bcast(fl, q0 + d * 4)
-                        a0 = vf_fma(x, vf_load_el(Ks, kb + b * kst + d * 16), a0)
-                        a1 = vf_fma(x, vf_load_el(Ks, kb + b1 * kst + d * 16), a1)
-                        a2 = vf_fma(x, vf_load_el(Ks, kb + b2 * kst + d * 16), a2)
-                        a3 = vf_fma(x, vf_load_el(Ks, kb + b3 * kst + d * 16), a3)
+                    for c in range(0, hd, 32):
+                        sc0 = k_scale(Kp, g0, hd, c)
+                        sc1 = k_scale(Kp, g1, hd, c)
+                        sc2 = k_scale(Kp, g2, hd, c)
+                        sc3 = k_scale(Kp, g3, hd, c)
+                        for d in range(c, min(c + 32, hd)):
+                            x = vf_bcast(fl, q0 + d * 4)
+                            a0 = vf_fma(x, k_dim(Kp, g0, d, sc0), a0)
+                            a1 = vf_fma(x, k_dim(Kp, g1, d, sc1), a1)
+                            a2 = vf_fma(x, k_dim(Kp, g2, d, sc2), a2)
+                            a3 = vf_fma(x, k_dim(Kp, g3, d, sc3), a3)
                     vf_store(fl, s0 + b * 64, a0)
                     vf_store(fl, s0 + b1 * 64, a1)
                     vf_store(fl, s0 + b2 * 64, a2)
@@ -77,7 +88,10 @@ def _scores(fl, Ks, ri, rows, hd, kb, qb):
         s3 = ri[2 * rows + min(ra + 3, rb)]
         b = bl
         while b + 3 <= bh:
-            k0 = kb + b * kst
+            g0 = ad[b - b0]
+            g1 = ad[b + 1 - b0]
+            g2 = ad[b + 2 - b0]
+            g3 = ad[b + 3 - b0]
             a00 = vf_zero()
             a01 = vf_zero()
             a02 = vf_zero()
@@ -94,31 +108,36 @@ def _scores(fl, Ks, ri, rows, hd, kb, qb):
             a31 = vf_zero()
             a32 = vf_zero()
             a33 = vf_zero()
-            for d in range(hd):
-                kv0 = vf_load_el(Ks, k0 + d * 16)
-                kv1 = vf_load_el(Ks, k0 + kst + d * 16)
-                kv2 = vf_load_el(Ks, k0 + 2 * kst + d * 16)
-                kv3 = vf_load_el(Ks, k0 + 3 * kst + d * 16)
-                x = vf_bcast(fl, q0 + d * 4)
-                a00 = vf_fma(x, kv0, a00)
-                a01 = vf_fma(x, kv1, a01)
-                a02 = vf_fma(x, kv2, a02)
-                a03 = vf_fma(x, kv3, a03)
-                x = vf_bcast(fl, q1 + d * 4)
-                a10 = vf_fma(x, kv0, a10)
-                a11 = vf_fma(x, kv1, a11)
-                a12 = vf_fma(x, kv2, a12)
-                a13 = vf_fma(x, kv3, a13)
-                x = vf_bcast(fl, q2 + d * 4)
-                a20 = vf_fma(x, kv0, a20)
-                a21 = vf_fma(x, kv1, a21)
-                a22 = vf_fma(x, kv2, a22)
-                a23 = vf_fma(x, kv3, a23)
-                x = vf_bcast(fl, q3 + d * 4)
-                a30 = vf_fma(x, kv0, a30)
-                a31 = vf_fma(x, kv1, a31)
-                a32 = vf_fma(x, kv2, a32)
-                a33 = vf_fma(x, kv3, a33)
+            for c in range(0, hd, 32):
+                sc0 = k_scale(Kp, g0, hd, c)
+                sc1 = k_scale(Kp, g1, hd, c)
+                sc2 = k_scale(Kp, g2, hd, c)
+                sc3 = k_scale(Kp, g3, hd, c)
+                for d in range(c, min(c + 32, hd)):
+                    kv0 = k_dim(Kp, g0, d, sc0)
+                    kv1 = k_dim(Kp, g1, d, sc1)
+                    kv2 = k_dim(Kp, g2, d, sc2)
+                    kv3 = k_dim(Kp, g3, d, sc3)
+                    x = vf_bcast(fl, q0 + d * 4)
+                    a00 = vf_fma(x, kv0, a00)
+                    a01 = vf_fma(x, kv1, a01)
+                    a02 = vf_fma(x, kv2, a02)
+                    a03 = vf_fma(x, kv3, a03)
+                    x = vf_bcast(fl, q1 + d * 4)
+                    a10 = vf_fma(x, kv0, a10)
+                    a11 = vf_fma(x, kv1, a11)
+                    a12 = vf_fma(x, kv2, a12)
+                    a13 = vf_fma(x, kv3, a13)
+                    x = vf_bcast(fl, q2 + d * 4)
+                    a20 = vf_fma(x, kv0, a20)
+                    a21 = vf_fma(x, kv1, a21)
+                    a22 = vf_fma(x, kv2, a22)
+                    a23 = vf_fma(x, kv3, a23)
+                    x = vf_bcast(fl, q3 + d * 4)
+                    a30 = vf_fma(x, kv0, a30)
+                    a31 = vf_fma(x, kv1, a31)
+                    a32 = vf_fma(x, kv2, a32)
+                    a33 = vf_fma(x, kv3, a33)
             o = b * 64
             vf_store(fl, s0 + o, a00)
             vf_store(fl, s0 + o + 64, a01)
@@ -138,17 +157,19 @@ def _scores(fl, Ks, ri, rows, hd, kb, qb):
             vf_store(fl, s3 + o + 192, a33)
             b += 4
         while b <= bh:
-            k0 = kb + b * kst
+            g0 = ad[b - b0]
             a00 = vf_zero()
             a10 = vf_zero()
             a20 = vf_zero()
             a30 = vf_zero()
-            for d in range(hd):
-                kv0 = vf_load_el(Ks, k0 + d * 16)
-                a00 = vf_fma(vf_bcast(fl, q0 + d * 4), kv0, a00)
-                a10 = vf_fma(vf_bcast(fl, q1 + d * 4), kv0, a10)
-                a20 = vf_fma(vf_bcast(fl, q2 + d * 4), kv0, a20)
-                a30 = vf_fma(vf_bcast(fl, q3 + d * 4), kv0, a30)
+            for c in range(0, hd, 32):
+                sc0 = k_scale(Kp, g0, hd, c)
+                for d in range(c, min(c + 32, hd)):
+                    kv0 = k_dim(Kp, g0, d, sc0)
+                    a00 = vf_fma(vf_bcast(fl, q0 + d * 4), kv0, a00)
+                    a10 = vf_fma(vf_bcast(fl, q1 + d * 4), kv0, a10)
+                    a20 = vf_fma(vf_bcast(fl, q2 + d * 4), kv0, a20)
+                    a30 = vf_fma(vf_bcast(fl, q3 + d * 4), kv0, a30)
             vf_store(fl, s0 + b * 64, a00)
             vf_store(fl, s1 + b * 64, a10)
             vf_store(fl, s2 + b * 64, a20)
@@ -246,9 +267,9 @@ def _emit4(D, fl, base, wo, d0, d1, d2, d3, x0, x1, x2, x3, fold):
 
 
 @njit(cache=True)
-def _values(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
-    """Value sums of all rows over chunks ca..cb (probabilities in fl, see ri; key j of Vs
-    at element v0 + j * hd). Rows 4 at a time x 4 vectors of dims: in a chunk, the keys all
+def _values(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold):
+    """Value sums of all rows over chunks ca..cb (probabilities in fl, see ri; key j's value
+    row of ``vrow`` bytes in Vp at byte ad[vb + j // 16] + (j % 16) * vrow). Rows 4 at a time x 4 vectors of dims: in a chunk, the keys all
     rows share run unconditionally, the ragged ones before and after with a per-row test,
     so each row sees its keys in order. 1-2 leftover rows alone."""
     hd16 = hd - hd % 16
@@ -276,11 +297,11 @@ def _values(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
                         x3 = vf_zero()
                         for j in range(a, b + 1):
                             e = vf_bcast(fl, t + j * 4)
-                            vo = v0 + j * hd
-                            x0 = vf_fma(e, vf_load_el(Vs, vo + d), x0)
-                            x1 = vf_fma(e, vf_load_el(Vs, vo + d1), x1)
-                            x2 = vf_fma(e, vf_load_el(Vs, vo + d2), x2)
-                            x3 = vf_fma(e, vf_load_el(Vs, vo + d3), x3)
+                            vo = ad[vb + (j >> 4)] + (j & 15) * vrow
+                            x0 = vf_fma(e, v_dims(Vp, vo, hd, d), x0)
+                            x1 = vf_fma(e, v_dims(Vp, vo, hd, d1), x1)
+                            x2 = vf_fma(e, v_dims(Vp, vo, hd, d2), x2)
+                            x3 = vf_fma(e, v_dims(Vp, vo, hd, d3), x3)
                         _emit4(D, fl, base, wo, d, d1, d2, d3, x0, x1, x2, x3, fold)
             continue
         r0 = ra
@@ -332,11 +353,11 @@ def _values(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
                     js = jlo if part == 0 else (j0 if part == 1 else j1 + 1)
                     je = j0 - 1 if part == 0 else (j1 if part == 1 else jhi)
                     for j in range(js, je + 1):
-                        vo = v0 + j * hd
-                        w0 = vf_load_el(Vs, vo + d)
-                        w1 = vf_load_el(Vs, vo + d1)
-                        w2 = vf_load_el(Vs, vo + d2)
-                        w3 = vf_load_el(Vs, vo + d3)
+                        vo = ad[vb + (j >> 4)] + (j & 15) * vrow
+                        w0 = v_dims(Vp, vo, hd, d)
+                        w1 = v_dims(Vp, vo, hd, d1)
+                        w2 = v_dims(Vp, vo, hd, d2)
+                        w3 = v_dims(Vp, vo, hd, d3)
                         if part == 1 or (a0 <= j and j <= e0):
                             e = vf_bcast(fl, t0 + j * 4)
                             x00 = vf_fma(e, w0, x00)
@@ -374,11 +395,11 @@ def _values(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
                     _emit4(D, fl, ri[3 * R + r3] + c * dstride, ri[4 * R + r3] + wo, d, d1, d2,
                            d3, x30, x31, x32, x33, fold)
     if hd16 < hd:
-        _values_tail(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold)
+        _values_tail(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold)
 
 
 @njit(cache=True)
-def _values_tail(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
+def _values_tail(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold):
     """_values for dims hd16..hd-1, one at a time (head sizes not a multiple of 16)."""
     R = rows
     for r in range(rows):
@@ -390,7 +411,8 @@ def _values_tail(fl, Vs, D, ri, rows, hd, v0, dstride, ca, cb, cbase, fold):
             for d in range(hd - hd % 16, hd):
                 x = np.float32(0.0)
                 for j in range(a, b + 1):
-                    x = f32_fma(fl[ri[2 * R + r] // 4 + j], f32_load_el(Vs, v0 + j * hd + d), x)
+                    vo = ad[vb + (j >> 4)] + (j & 15) * vrow
+                    x = f32_fma(fl[ri[2 * R + r] // 4 + j], v_el(Vp, vo, d), x)
                 if fold:
                     x = f32_fma(fl[ri[4 * R + r] // 4 + c - cbase], x, D[base + d])
                 D[base + d] = x

@@ -1,6 +1,8 @@
-"""Attention over the half KV cache: accuracy against a float64 reference, bit-for-bit batch
-invariance (batch size, positions, chunking, threads), edge cases, the vector math it is built
-on, and the same bits on a generic (non-x86-specific) compile target.
+"""Attention over paged KV caches in every KV type: stored values as each type's rounding
+defines them (checked against gguf's quantizers and independent numpy encoders), accuracy
+against a float64 reference over what is stored, bit-for-bit batch invariance (batch size,
+positions, chunking, threads, other sequences in the batch, page placement, block size),
+edge cases, the vector math it is built on, and the same bits on a generic compile target.
 Run as a script (``python test_attention.py OUT.npz``) it saves the fixed ISA workload."""
 
 from __future__ import annotations
@@ -11,33 +13,119 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf.quants
 import numba
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType
 from numba import njit
 
 from localllm.kernels import attention as attn
-from localllm.kernels import simd, vmath
+from localllm.kernels import kvpages, simd, vmath
 
-CTX = 320  # cache capacity in the tests (a multiple of 16)
-
-
-def new_cache(n_kv, hd, ctx=CTX):
-    return (np.zeros((n_kv, ctx // 16, hd, 16), np.uint16), np.zeros((n_kv, ctx, hd), np.uint16))
+KV_TYPES = ("f16", "bf16", "fp8", "q8_0", "q4_0")
+CTX = 320  # positions a test sequence can hold (a multiple of 16)
 
 
-def cache_as_f64(K, V):
-    """(n_kv, ctx, hd) float64 keys and values as the cache holds them."""
-    n_kv, nb, hd, _ = K.shape
-    keys = K.view(np.float16).transpose(0, 1, 3, 2).reshape(n_kv, nb * 16, hd)
-    return keys.astype(np.float64), V.view(np.float16).astype(np.float64)
+def _e4m3_table() -> np.ndarray:
+    """The value of every FP8 E4M3 code (0x7F / 0xFF, NaN, never stored)."""
+    c = np.arange(256)
+    e, m = (c >> 3) & 15, (c & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    return np.where(c >= 128, -mag, mag)
 
 
-def reference(q, K, V, positions, window, scale):
-    """Causal GQA attention with a sliding window in float64 over the cache's keys/values."""
-    keys, vals = cache_as_f64(K, V)
+E4M3 = _e4m3_table()
+
+
+class Cache:
+    """One layer's pages in a KV type, with ``n_seqs`` sequences' blocks placed at random."""
+
+    def __init__(self, kind, n_kv, hd, ctx=CTX, bs=16, n_seqs=1, seed=0):
+        self.kind, self.n_kv, self.hd, self.bs = kind, n_kv, hd, bs
+        nblk = -(-ctx // bs)
+        n_pages = nblk * n_seqs + 3
+        cls = kvpages.PAGE_CLASSES[kind]
+        self.K = cls(np.zeros(n_pages * n_kv * (bs // 16) * kvpages.k_group_nbytes(kind, hd)
+                              + kvpages.PAD, np.uint8))
+        self.V = cls(np.zeros(n_pages * n_kv * bs * kvpages.v_row_nbytes(kind, hd)
+                              + kvpages.PAD, np.uint8))
+        perm = np.random.default_rng(seed).permutation(n_pages)[:nblk * n_seqs]
+        self.tables = perm.reshape(n_seqs, nblk).astype(np.int32)
+
+    def write(self, k, v, pos, seq=0):
+        rs = np.full(len(pos), seq, np.int32)
+        attn.kv_write(self.K, self.V, self.tables, rs, self.bs, np.ascontiguousarray(k),
+                      np.ascontiguousarray(v), np.asarray(pos, np.int64))
+
+    def attend(self, q, pos, window, scale, seqs=None):
+        q = np.ascontiguousarray(q, np.float32)
+        rs = np.zeros(len(pos), np.int32) if seqs is None else np.asarray(seqs, np.int32)
+        out = np.empty_like(q)
+        attn.attend(q, self.K, self.V, self.tables, rs, self.bs, self.n_kv,
+                    np.asarray(pos, np.int64), window, scale, out)
+        return out
+
+    # ---- what the pages hold, decoded independently of the kernels
+
+    def _key_group(self, seq, p, h):
+        page = self.tables[seq, p // self.bs]
+        g = (page * self.n_kv + h) * (self.bs // 16) + p % self.bs // 16
+        nb = kvpages.k_group_nbytes(self.kind, self.hd)
+        return self.K.a[g * nb:(g + 1) * nb], p % 16
+
+    def _value_row(self, seq, p, h):
+        page = self.tables[seq, p // self.bs]
+        r = (page * self.n_kv + h) * self.bs + p % self.bs
+        nb = kvpages.v_row_nbytes(self.kind, self.hd)
+        return self.V.a[r * nb:(r + 1) * nb]
+
+    def key(self, seq, p, h):
+        raw, lane = self._key_group(seq, p, h)
+        hd = self.hd
+        if self.kind == "q8_0":
+            q = raw[:16 * hd].view(np.int8).reshape(hd, 16)[:, lane].astype(np.float64)
+            d = raw[16 * hd:].view(np.float16).reshape(hd // 32, 16)[:, lane]
+            return q * np.repeat(d.astype(np.float64), 32)
+        if self.kind == "q4_0":
+            b = raw[:8 * hd].reshape(hd // 32, 16, 16)[:, :, lane]
+            q = np.concatenate([b & 15, b >> 4], axis=1).reshape(-1).astype(np.float64) - 8
+            d = raw[8 * hd:].view(np.float16).reshape(hd // 32, 16)[:, lane]
+            return q * np.repeat(d.astype(np.float64), 32)
+        width = 1 if self.kind == "fp8" else 2
+        col = raw.reshape(hd, 16, width)[:, lane].copy()
+        return self._floats(col.reshape(-1))
+
+    def value(self, seq, p, h):
+        raw, hd = self._value_row(seq, p, h), self.hd
+        if self.kind in ("q8_0", "q4_0"):
+            blocks = raw[:hd if self.kind == "q8_0" else hd // 2].reshape(hd // 32, -1)
+            d = raw[-(hd // 16):].view(np.float16).astype(np.float64).reshape(-1, 1)
+            if self.kind == "q8_0":
+                return (blocks.view(np.int8) * d).reshape(-1)
+            q = np.concatenate([blocks & 15, blocks >> 4], axis=1).astype(np.float64) - 8
+            return (q * d).reshape(-1)
+        return self._floats(raw)
+
+    def _floats(self, raw):
+        if self.kind == "fp8":
+            return E4M3[raw]
+        u = raw.view(np.uint16)
+        if self.kind == "bf16":
+            return (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return u.view(np.float16).astype(np.float64)
+
+    def stored(self, n, seq=0):
+        """(n_kv, n, hd) float64 keys and values of positions 0..n-1 as the pages hold them."""
+        keys = np.array([[self.key(seq, p, h) for p in range(n)] for h in range(self.n_kv)])
+        vals = np.array([[self.value(seq, p, h) for p in range(n)] for h in range(self.n_kv)])
+        return keys, vals
+
+
+def reference(q, keys, vals, positions, window, scale):
+    """Causal GQA attention with a sliding window in float64 over the stored keys/values."""
     n, H, hd = q.shape
-    G = H // K.shape[0]
+    G = H // keys.shape[0]
     out = np.zeros((n, H, hd))
     for t, p in enumerate(positions):
         lo = max(0, p - window + 1) if window > 0 else 0
@@ -48,22 +136,15 @@ def reference(q, K, V, positions, window, scale):
     return out
 
 
-def filled(n_kv, H, hd, n_pos, seed, spread=1.0):
+def filled(n_kv, H, hd, n_pos, seed, spread=1.0, kind="f16", **cache_kw):
     """A cache holding random keys/values at positions 0..n_pos-1, and queries for them."""
     rng = np.random.default_rng(seed)
-    K, V = new_cache(n_kv, hd)
+    c = Cache(kind, n_kv, hd, seed=seed, **cache_kw)
     k = rng.standard_normal((n_pos, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((n_pos, n_kv, hd)).astype(np.float32)
     q = (rng.standard_normal((n_pos, H, hd)) * spread).astype(np.float32)
-    attn.kv_write(K, V, k, v, np.arange(n_pos, dtype=np.int64))
-    return q, K, V
-
-
-def attend(q, K, V, positions, window, scale):
-    q = np.ascontiguousarray(q)
-    out = np.empty_like(q)
-    attn.attend(q, K, V, np.asarray(positions, np.int64), window, scale, out)
-    return out
+    c.write(k, v, np.arange(n_pos))
+    return q, c, k, v
 
 
 def bits(a):
@@ -72,9 +153,9 @@ def bits(a):
 
 # ----------------------------------------------------------------------------- kv_write
 
-def test_kv_write_rounds_like_numpy_and_lays_out_keys():
+def test_f16_rounds_like_numpy_including_specials():
     rng = np.random.default_rng(0)
-    n, n_kv, hd = 40, 2, 40  # hd not a multiple of 16: the scalar tail too
+    n, n_kv, hd = 40, 2, 40  # hd not a multiple of 16
     special = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, -1e6, np.inf, -np.inf,
                         2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001, 3 * 2.0 ** -25, 2.0 ** -14,
                         2.0 ** -14 - 2.0 ** -25, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1e-30,
@@ -83,113 +164,220 @@ def test_kv_write_rounds_like_numpy_and_lays_out_keys():
     k = k.astype(np.float32)
     k.reshape(-1)[:special.size] = special
     v = k[::-1].copy()
-    K, V = new_cache(n_kv, hd)
-    pos = rng.permutation(CTX)[:n].astype(np.int64)
-    attn.kv_write(K, V, k, v, pos)
+    c = Cache("f16", n_kv, hd)
+    pos = rng.permutation(CTX)[:n]
+    c.write(k, v, pos)
     with np.errstate(over="ignore"):  # the values past half's range, on purpose
-        k16, v16 = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
     for t, p in enumerate(pos):
-        np.testing.assert_array_equal(K[:, p // 16, :, p % 16], k16[t])
-        np.testing.assert_array_equal(V[:, p], v16[t])
+        for h in range(n_kv):
+            np.testing.assert_array_equal(c.key(0, p, h), k16[t, h].astype(np.float64))
+            np.testing.assert_array_equal(c.value(0, p, h), v16[t, h].astype(np.float64))
 
 
-def test_kv_write_nan_stays_nan():
-    K, V = new_cache(1, 32)
+def test_nan_stays_nan_in_f16():
+    c = Cache("f16", 1, 32)
     k = np.full((1, 1, 32), np.nan, np.float32)
-    attn.kv_write(K, V, k, k, np.array([5]))
-    assert np.isnan(K[0, 0, :, 5].view(np.float16)).all()
-    assert np.isnan(V[0, 5].view(np.float16)).all()
+    c.write(k, k, [5])
+    assert np.isnan(c.key(0, 5, 0)).all() and np.isnan(c.value(0, 5, 0)).all()
 
 
-def test_rejects_bad_positions_and_layouts():
-    K, V = new_cache(1, 16)
+def _nearest_even(x, values, codes):
+    """Round each x to the nearest of ``values`` (ties to the even code)."""
+    d = np.abs(x[:, None] - values[None, :])
+    best = d.min(axis=1, keepdims=True)
+    cand = np.where(d == best, codes[None, :], 1 << 20)
+    even = np.where(cand % 2 == 0, cand, 1 << 20).min(axis=1)
+    return np.where(even < 1 << 20, even, cand.min(axis=1))
+
+
+def test_bf16_and_fp8_round_to_nearest_even():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(3000) * np.exp(rng.uniform(-12, 7, 3000)),
+                        [0.0, 1e-9, 2.0 ** -9, 1.5 * 2.0 ** -9, 2.5 * 2.0 ** -9, 448.0, 460.0,
+                         -500.0, 1e6, 2.0 ** -6, 1.0 + 1 / 16, 1.0 + 3 / 16]]).astype(np.float32)
+    hd = 16
+    x = x[:x.size // hd * hd]
+    n = x.size // hd
+    for kind in ("bf16", "fp8"):
+        c = Cache(kind, 1, hd, ctx=-(-n // 16) * 16)
+        c.write(x.reshape(n, 1, hd), x.reshape(n, 1, hd), np.arange(n))
+        got = np.concatenate([c.key(0, p, 0) for p in range(n)])
+        gotv = np.concatenate([c.value(0, p, 0) for p in range(n)])
+        np.testing.assert_array_equal(got, gotv)
+        if kind == "bf16":
+            u = x.view(np.uint32).astype(np.uint64)
+            want = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)
+            np.testing.assert_array_equal(got, want.view(np.float32).astype(np.float64))
+        else:
+            codes = np.arange(127)  # non-negative, finite
+            clipped = np.clip(np.abs(x), 0, 448).astype(np.float64)
+            mag = E4M3[_nearest_even(clipped, E4M3[codes], codes)]
+            np.testing.assert_array_equal(np.abs(got), mag)
+            assert (np.sign(got) == np.sign(x))[got != 0].all()
+
+
+@pytest.mark.parametrize("kind,gtype", [("q8_0", GGMLQuantizationType.Q8_0),
+                                        ("q4_0", GGMLQuantizationType.Q4_0)])
+def test_quantized_types_store_ggml_blocks(kind, gtype):
+    """Keys and values hold exactly the blocks gguf's (llama.cpp's) quantizer makes."""
+    rng = np.random.default_rng(2)
+    n, n_kv, hd = 37, 2, 64
+    k = (rng.standard_normal((n, n_kv, hd)) * rng.uniform(0.01, 30, (n, n_kv, 1))).astype(np.float32)
+    k[3, 0, :32] = 0.0  # an all-zero block
+    v = k[::-1].copy()
+    c = Cache(kind, n_kv, hd, bs=32)
+    c.write(k, v, np.arange(n))
+    deq = lambda a: gguf.quants.dequantize(gguf.quants.quantize(a, gtype), gtype)  # noqa: E731
+    for t in range(n):
+        for h in range(n_kv):
+            np.testing.assert_array_equal(c.key(0, t, h), deq(k[t, h][None])[0].astype(np.float64))
+            np.testing.assert_array_equal(c.value(0, t, h), deq(v[t, h][None])[0].astype(np.float64))
+            row = c._value_row(0, t, h)
+            blocks = gguf.quants.quantize(v[t, h][None], gtype).reshape(hd // 32, -1)
+            qbytes = blocks.shape[1] - 2
+            np.testing.assert_array_equal(row[:-(hd // 16)], blocks[:, 2:].reshape(-1))
+            np.testing.assert_array_equal(row[-(hd // 16):].reshape(-1, 2), blocks[:, :2])
+            assert qbytes in (32, 16)
+
+
+def test_bytes_per_token_of_each_type():
+    per = {t: kvpages.k_group_nbytes(t, 64) / 16 + kvpages.v_row_nbytes(t, 64) for t in KV_TYPES}
+    assert per["f16"] == 256
+    assert per["q8_0"] / per["f16"] <= 0.55 and per["q4_0"] / per["f16"] <= 0.30
+    assert per["fp8"] / per["f16"] == 0.5 and per["bf16"] == per["f16"]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kvpages.check_head_dim("q4_0", 40)
+
+
+def test_rejects_bad_tables_positions_and_layouts():
+    c = Cache("f16", 1, 16)
     k = np.zeros((1, 1, 16), np.float32)
+    with pytest.raises(ValueError):  # past the sequence's table
+        c.write(k, k, [CTX])
+    c.tables[0, 3] = -1  # a block not held
     with pytest.raises(ValueError):
-        attn.kv_write(K, V, k, k, np.array([CTX]))
+        c.write(k, k, [50])
+    with pytest.raises(ValueError):  # attending over it
+        c.attend(np.zeros((1, 2, 16)), [70], 0, 1.0)
+    c.attend(np.zeros((1, 2, 16)), [70], 6, 1.0)  # a window that skips it is fine
     with pytest.raises(ValueError):
-        attend(np.zeros((1, 2, 16), np.float32), K, V, [-1], 0, 1.0)
+        c.attend(np.zeros((1, 2, 16)), [-1], 0, 1.0)
+    with pytest.raises(ValueError):  # a sequence row outside the tables
+        c.attend(np.zeros((1, 2, 16)), [3], 0, 1.0, seqs=[1])
     with pytest.raises(ValueError):  # 3 query heads over 2 KV heads
-        attend(np.zeros((1, 3, 16), np.float32), *new_cache(2, 16), [0], 0, 1.0)
+        Cache("f16", 2, 16).attend(np.zeros((1, 3, 16)), [0], 0, 1.0)
     with pytest.raises(ValueError):  # a strided query array
-        attn.attend(np.zeros((4, 2, 16), np.float32)[::2], K, V, np.zeros(2, np.int64), 0, 1.0,
+        attn.attend(np.zeros((4, 2, 16), np.float32)[::2], c.K, c.V, c.tables,
+                    np.zeros(2, np.int32), 16, 1, np.zeros(2, np.int64), 0, 1.0,
                     np.zeros((2, 2, 16), np.float32))
 
 
 def test_empty_batch():
-    K, V = new_cache(1, 16)
+    c = Cache("f16", 1, 16)
     empty = np.zeros((0, 1, 16), np.float32)
-    attn.kv_write(K, V, empty, empty, np.zeros(0, np.int64))
-    assert attend(np.zeros((0, 2, 16), np.float32), K, V, [], 0, 1.0).shape == (0, 2, 16)
-    assert not K.any() and not V.any()
+    c.write(empty, empty, np.zeros(0, np.int64))
+    assert c.attend(np.zeros((0, 2, 16)), [], 0, 1.0).shape == (0, 2, 16)
+    assert not c.K.a.any() and not c.V.a.any()
 
 
 # ----------------------------------------------------------------------------- accuracy
 
-@pytest.mark.parametrize("H,n_kv,hd,window,spread", [
-    (9, 3, 64, 0, 1.0), (4, 1, 256, 0, 1.0), (4, 1, 256, 32, 1.0), (4, 4, 64, 100, 1.0),
-    (6, 2, 40, 0, 1.0), (8, 2, 80, 17, 1.0), (3, 1, 8, 0, 1.0), (9, 3, 64, 0, 6.0),
+@pytest.mark.parametrize("H,n_kv,hd,window,spread,kind", [
+    (9, 3, 64, 0, 1.0, "f16"), (4, 1, 256, 0, 1.0, "f16"), (4, 1, 256, 32, 1.0, "f16"),
+    (4, 4, 64, 100, 1.0, "f16"), (6, 2, 40, 0, 1.0, "f16"), (8, 2, 80, 17, 1.0, "f16"),
+    (3, 1, 8, 0, 1.0, "f16"), (9, 3, 64, 0, 6.0, "f16"), (9, 3, 64, 0, 1.0, "bf16"),
+    (4, 1, 256, 32, 1.0, "fp8"), (6, 2, 40, 7, 1.0, "fp8"), (9, 3, 64, 0, 3.0, "q8_0"),
+    (4, 1, 256, 32, 1.0, "q4_0"), (4, 2, 96, 0, 1.0, "q8_0"),
 ])
-def test_matches_float64_reference(H, n_kv, hd, window, spread):
+def test_matches_float64_reference(H, n_kv, hd, window, spread, kind):
     n = 300
-    q, K, V = filled(n_kv, H, hd, n, seed=hd + H, spread=spread)
+    q, c, _, _ = filled(n_kv, H, hd, n, seed=hd + H, spread=spread, kind=kind)
+    keys, vals = c.stored(n)
     scale = 1.0 / np.sqrt(hd)
     pos = np.arange(n)
-    out = attend(q, K, V, pos, window, scale)
-    want = reference(q, K, V, pos, window, scale)
+    out = c.attend(q, pos, window, scale)
+    want = reference(q, keys, vals, pos, window, scale)
     err = np.abs(out - want).max() / np.abs(want).max()
     assert err < 1e-5, err
     # Decode at the last position too (the path that splits the keys between threads).
-    one = attend(q[-1:], K, V, pos[-1:], window, scale)
+    one = c.attend(q[-1:], pos[-1:], window, scale)
     assert np.abs(one - want[-1:]).max() / np.abs(want[-1]).max() < 1e-5
 
 
 # ----------------------------------------------------------------------------- invariance
 
-# (head_dim, query heads per KV head, window, KV heads): each batch size below takes its own
-# path through the kernel (keys split between threads or not, float32 copy or half reads).
-INVARIANCE_CASES = [(hd, G, window, 2 if G != 4 else 1)
+# (head_dim, query heads per KV head, window, KV heads, KV type): each batch size below takes
+# its own path through the kernel (keys split between threads or not).
+INVARIANCE_CASES = [(hd, G, window, 2 if G != 4 else 1, "f16")
                     for hd in (64, 256) for G in (1, 3, 4) for window in (0, 32)]
-INVARIANCE_CASES += [(64, 1, 0, 4), (256, 2, 32, 4)]
+INVARIANCE_CASES += [(64, 1, 0, 4, "f16"), (256, 2, 32, 4, "f16")]
+INVARIANCE_CASES += [(64, 3, 0, 3, t) for t in ("bf16", "fp8", "q8_0", "q4_0")]
+INVARIANCE_CASES += [(256, 4, 32, 1, t) for t in ("fp8", "q8_0", "q4_0")]
 
 
-@pytest.mark.parametrize("hd,G,window,n_kv", INVARIANCE_CASES)
-def test_batch_invariant_bits(hd, G, window, n_kv):
+@pytest.mark.parametrize("hd,G,window,n_kv,kind", INVARIANCE_CASES)
+def test_batch_invariant_bits(hd, G, window, n_kv, kind):
     H = G * n_kv
     n = 300
-    q, K, V = filled(n_kv, H, hd, n, seed=7 * hd + G + window)
+    q, c, k, v = filled(n_kv, H, hd, n, seed=7 * hd + G + window, kind=kind)
     scale = 0.7 / np.sqrt(hd)
     pos = np.arange(n)
-    full = attend(q, K, V, pos, window, scale)
+    full = c.attend(q, pos, window, scale)
     rng = np.random.default_rng(hd + G + window)
     # Arbitrary subsets of queries, in any order, computed alone or in small batches.
     for size in (1, 3, 17, 64):
         for _ in range(2):
             idx = rng.choice(n, size, replace=False)
-            np.testing.assert_array_equal(bits(attend(q[idx], K, V, pos[idx], window, scale)),
+            np.testing.assert_array_equal(bits(c.attend(q[idx], pos[idx], window, scale)),
                                           bits(full[idx]), err_msg=f"n={size}")
-    # A prompt processed in chunks, each written to a fresh cache just before its attention.
-    K2, V2 = new_cache(n_kv, hd)
-    keys, vals = cache_as_f64(K, V)
+    # A prompt processed in chunks, each written just before its attention, into pages
+    # placed differently: a chunk's own keys are read as stored, like a later step's.
+    c2 = Cache(kind, n_kv, hd, seed=99)
     out = np.empty_like(full)
     for a, b in ((0, 1), (1, 6), (6, 70), (70, 71), (71, 300)):
-        k = keys[:, a:b].transpose(1, 0, 2).astype(np.float32).copy()
-        v = vals[:, a:b].transpose(1, 0, 2).astype(np.float32).copy()
-        attn.kv_write(K2, V2, k, v, pos[a:b])
-        out[a:b] = attend(q[a:b], K2, V2, pos[a:b], window, scale)
+        c2.write(k[a:b], v[a:b], pos[a:b])
+        out[a:b] = c2.attend(q[a:b], pos[a:b], window, scale)
     np.testing.assert_array_equal(bits(out), bits(full))
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_other_sequences_in_the_batch_and_block_size_do_not_change_bits(kind):
+    """Sequences batched together each see only their own keys, with their own bits."""
+    n_kv, H, hd, n = 2, 6, 64, 200
+    rng = np.random.default_rng(4)
+    ks = [rng.standard_normal((n, n_kv, hd)).astype(np.float32) for _ in range(3)]
+    qs = [rng.standard_normal((n, H, hd)).astype(np.float32) for _ in range(3)]
+    alone = []
+    for i in range(3):
+        c = Cache(kind, n_kv, hd, seed=i)
+        c.write(ks[i], ks[i][::-1].copy(), np.arange(n))
+        alone.append(c.attend(qs[i], np.arange(n), 0, 0.125))
+    for bs in (16, 32, 64):
+        c = Cache(kind, n_kv, hd, bs=bs, n_seqs=3, seed=bs)
+        for i in range(3):
+            c.write(ks[i], ks[i][::-1].copy(), np.arange(n), seq=i)
+        # a mixed batch: seq 0 decoding, seq 1 a chunk, seq 2 one token in the middle
+        pos = np.concatenate([[n - 1], np.arange(50, 90), [7]])
+        seqs = np.concatenate([[0], np.ones(40, int), [2]])
+        q = np.concatenate([qs[0][n - 1:], qs[1][50:90], qs[2][7:8]])
+        out = c.attend(q, pos, 0, 0.125, seqs=seqs)
+        np.testing.assert_array_equal(bits(out[0]), bits(alone[0][n - 1]))
+        np.testing.assert_array_equal(bits(out[1:41]), bits(alone[1][50:90]))
+        np.testing.assert_array_equal(bits(out[41]), bits(alone[2][7]))
+
+
 def test_thread_count_does_not_change_bits():
-    q, K, V = filled(1, 4, 256, 300, seed=3)
+    q, c, _, _ = filled(1, 4, 256, 300, seed=3)
     pos = np.arange(300)
-    want = attend(q, K, V, pos, 0, 0.0625)
-    want1 = attend(q[-1:], K, V, pos[-1:], 0, 0.0625)
+    want = c.attend(q, pos, 0, 0.0625)
+    want1 = c.attend(q[-1:], pos[-1:], 0, 0.0625)
     before = numba.get_num_threads()
     try:
         for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
             numba.set_num_threads(threads)
-            np.testing.assert_array_equal(bits(attend(q, K, V, pos, 0, 0.0625)), bits(want))
-            np.testing.assert_array_equal(bits(attend(q[-1:], K, V, pos[-1:], 0, 0.0625)),
+            np.testing.assert_array_equal(bits(c.attend(q, pos, 0, 0.0625)), bits(want))
+            np.testing.assert_array_equal(bits(c.attend(q[-1:], pos[-1:], 0, 0.0625)),
                                           bits(want1))
     finally:
         numba.set_num_threads(before)
@@ -198,30 +386,31 @@ def test_thread_count_does_not_change_bits():
 # ----------------------------------------------------------------------------- edge cases
 
 def test_position_zero_and_window_one_return_the_value_exactly():
-    q, K, V = filled(1, 3, 64, 40, seed=11)
-    vals = cache_as_f64(K, V)[1]
-    out = attend(q[:1], K, V, [0], 0, 0.125)
+    q, c, _, _ = filled(1, 3, 64, 40, seed=11)
+    vals = c.stored(40)[1]
+    out = c.attend(q[:1], [0], 0, 0.125)
     np.testing.assert_array_equal(out[0], np.broadcast_to(vals[0, 0], (3, 64)))
     pos = np.array([0, 5, 16, 39])
-    out = attend(q[pos], K, V, pos, 1, 0.125)
+    out = c.attend(q[pos], pos, 1, 0.125)
     for t, p in enumerate(pos):
         np.testing.assert_array_equal(out[t], np.broadcast_to(vals[0, p], (3, 64)))
 
 
 def test_window_larger_than_position_is_no_window():
-    q, K, V = filled(2, 4, 64, 200, seed=12)
+    q, c, _, _ = filled(2, 4, 64, 200, seed=12)
     pos = np.arange(200)
     for window in (200, 201, 10_000):
-        np.testing.assert_array_equal(bits(attend(q, K, V, pos, window, 0.125)),
-                                      bits(attend(q, K, V, pos, 0, 0.125)))
+        np.testing.assert_array_equal(bits(c.attend(q, pos, window, 0.125)),
+                                      bits(c.attend(q, pos, 0, 0.125)))
 
 
 def test_window_edges_follow_reference():
-    q, K, V = filled(1, 2, 16, 260, seed=13)
+    q, c, _, _ = filled(1, 2, 16, 260, seed=13)
+    keys, vals = c.stored(260)
     pos = np.array([0, 15, 16, 63, 64, 65, 127, 128, 200, 259])
     for window in (2, 15, 16, 17, 64, 65):
-        out = attend(q[pos], K, V, pos, window, 0.25)
-        want = reference(q[pos], K, V, pos, window, 0.25)
+        out = c.attend(q[pos], pos, window, 0.25)
+        want = reference(q[pos], keys, vals, pos, window, 0.25)
         assert np.abs(out - want).max() / np.abs(want).max() < 1e-5, window
 
 
@@ -263,14 +452,18 @@ def test_exp2_accuracy_and_scalar_matches_vector():
 # ----------------------------------------------------------------------------- ISA
 
 def isa_workload() -> dict[str, np.ndarray]:
-    """A fixed workload through every path: fold and split, tails, window; plus vmath."""
+    """A fixed workload through every path: fold and split, tails, window, KV types; plus
+    vmath."""
     res = {}
-    for H, n_kv, hd, window in ((9, 3, 64, 0), (4, 1, 256, 32), (3, 3, 40, 5)):
-        q, K, V = filled(n_kv, H, hd, 300, seed=hd)
+    for H, n_kv, hd, window, kind in ((9, 3, 64, 0, "f16"), (4, 1, 256, 32, "f16"),
+                                      (3, 3, 40, 5, "f16"), (4, 2, 64, 0, "q8_0"),
+                                      (4, 1, 256, 32, "q4_0"), (3, 3, 40, 0, "fp8"),
+                                      (4, 2, 64, 0, "bf16")):
+        q, c, _, _ = filled(n_kv, H, hd, 300, seed=hd, kind=kind)
         pos = np.arange(300)
-        res[f"prefill-{hd}"] = attend(q, K, V, pos, window, 0.2)
-        res[f"decode-{hd}"] = attend(q[-3:], K, V, pos[-3:], window, 0.2)
-        res[f"cache-{hd}"] = np.concatenate([K.reshape(-1), V.reshape(-1)])
+        res[f"prefill-{hd}-{kind}"] = c.attend(q, pos, window, 0.2)
+        res[f"decode-{hd}-{kind}"] = c.attend(q[-3:], pos[-3:], window, 0.2)
+        res[f"cache-{hd}-{kind}"] = np.concatenate([c.K.a, c.V.a])
     x = np.random.default_rng(1).uniform(-130, 0, 1024).astype(np.float32)
     out = np.empty(2 * x.size + 2 * (x.size // 16), np.float32)
     _vmath_lanes(x, out)

@@ -1,0 +1,338 @@
+"""KV cache pages in each KV type: the byte layout of keys and values, exact loads of them as
+float32 vectors for the attention kernels, and the rounding that stores new ones.
+
+A layer's pages are one flat byte array per K and per V; page (block) ``p`` of ``bs`` tokens
+holds, per KV head ``h``, ``bs // 16`` key groups and ``bs`` value rows:
+
+  keys:   group (p, h, g) at byte ((p * n_kv + h) * (bs // 16) + g) * k_group_bytes; dim d of
+          its 16 keys (lanes) is one 16-element vector, so a score loop reads keys lane-wise;
+  values: row (p, h, s) at byte ((p * n_kv + h) * bs + s) * v_row_bytes, the head's hd dims.
+
+Quantized types (q8_0, q4_0) keep llama.cpp's blocks of 32 dims with an f16 scale each:
+after a key group's 16 x hd quants come its (hd / 32) x 16 scales; after a value row's quants
+its hd / 32 scales. Every load widens exactly (a stored value times its scale is exact in
+float32), so the attention arithmetic is the same for every type.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.extending import intrinsic, overload
+
+from .simd import (VF, _F32, _I32, _V16I8, _V16I32, _V16F32, _byte_ptr, _splat, _typed_ptr,
+                   vf_from_vi, vf_lane, vf_load_bf16, vf_load_f16, vf_mul, vf_splat, vi_and,
+                   vi_load_i8, vi_load_u8, vi_splat, vi_srl, vi_sub)
+from .vmath import f32_to_f16_bits
+
+# One namedtuple per KV type, so that Numba compiles each loop for the type it reads; ``a``
+# is the flat uint8 page array (padded by 64 bytes, so a 16-lane load may run past an end).
+PagesF16 = namedtuple("PagesF16", ["a"])
+PagesBF16 = namedtuple("PagesBF16", ["a"])
+PagesFP8 = namedtuple("PagesFP8", ["a"])
+PagesQ8_0 = namedtuple("PagesQ8_0", ["a"])
+PagesQ4_0 = namedtuple("PagesQ4_0", ["a"])
+
+PAGE_CLASSES = {"f16": PagesF16, "bf16": PagesBF16, "fp8": PagesFP8, "q8_0": PagesQ8_0,
+                "q4_0": PagesQ4_0}
+QUANT_BLOCK = 32  # dims per scale in q8_0 / q4_0
+PAD = 64
+
+
+def _kind(pages) -> str:
+    return pages.instance_class.__name__[len("Pages"):]
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def k_group_nbytes(kv_type: str, hd: int) -> int:
+    """Bytes of one group of 16 keys of one head."""
+    return {"f16": 32 * hd, "bf16": 32 * hd, "fp8": 16 * hd, "q8_0": 17 * hd,
+            "q4_0": 9 * hd}[kv_type]
+
+
+def v_row_nbytes(kv_type: str, hd: int) -> int:
+    """Bytes of one head's value row (one token)."""
+    return {"f16": 2 * hd, "bf16": 2 * hd, "fp8": hd, "q8_0": hd + hd // 16,
+            "q4_0": hd // 2 + hd // 16}[kv_type]
+
+
+def check_head_dim(kv_type: str, hd: int) -> None:
+    """Raises ValueError when a KV type cannot hold heads of ``hd`` dims."""
+    if kv_type not in PAGE_CLASSES:
+        raise ValueError(f"unknown KV type {kv_type!r} (choose from {', '.join(PAGE_CLASSES)})")
+    if kv_type in ("q8_0", "q4_0") and hd % QUANT_BLOCK:
+        raise ValueError(f"KV type {kv_type} needs a head size that is a multiple of "
+                         f"{QUANT_BLOCK}, this model's is {hd}")
+
+
+# ----------------------------------------------------------------------------- loads
+
+@intrinsic
+def vf_load_e4m3(typingctx, arr, off):
+    """16 FP8 E4M3 values from byte offset ``off``, widened exactly: the 7 magnitude bits moved
+    into a float32's exponent and mantissa, scaled by 2**120 to rebias (subnormals included)."""
+    def cg(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        w = builder.zext(builder.load(_typed_ptr(builder, p, _V16I8), align=1), _V16I32)
+        c = lambda x: _splat(builder, ir.Constant(_I32, x), _V16I32)  # noqa: E731
+        mag = builder.bitcast(builder.shl(builder.and_(w, c(0x7F)), c(20)), _V16F32)
+        scaled = builder.fmul(mag, _splat(builder, ir.Constant(_F32, 2.0 ** 120), _V16F32))
+        sign = builder.shl(builder.and_(w, c(0x80)), c(24))
+        return builder.bitcast(builder.or_(builder.bitcast(scaled, _V16I32), sign), _V16F32)
+    return VF(arr, off), cg
+
+
+def k_scale(pages, g, hd, d0):
+    """Scales of key group ``g`` (byte offset) for dims d0..d0+31, one per key lane."""
+
+
+@overload(k_scale, inline="always")
+def _ol_k_scale(pages, g, hd, d0):
+    kind = _kind(pages)
+    if kind in ("Q8_0", "Q4_0"):
+        per = 16 if kind == "Q8_0" else 8  # quant bytes per dim and 16 keys
+        return lambda pages, g, hd, d0: vf_load_f16(pages.a, g + per * hd + (d0 // 32) * 32)
+    return lambda pages, g, hd, d0: vf_splat(1.0)  # unused by the float types' loads
+
+
+def k_dim(pages, g, d, sc):
+    """Dim ``d`` of the 16 keys of group ``g`` (byte offset) as float32; ``sc`` from k_scale."""
+
+
+@overload(k_dim, inline="always")
+def _ol_k_dim(pages, g, d, sc):
+    kind = _kind(pages)
+    if kind == "F16":
+        return lambda pages, g, d, sc: vf_load_f16(pages.a, g + d * 32)
+    if kind == "BF16":
+        return lambda pages, g, d, sc: vf_load_bf16(pages.a, g + d * 32)
+    if kind == "FP8":
+        return lambda pages, g, d, sc: vf_load_e4m3(pages.a, g + d * 16)
+    if kind == "Q8_0":
+        return lambda pages, g, d, sc: vf_mul(vf_from_vi(vi_load_i8(pages.a, g + d * 16)), sc)
+
+    def q4(pages, g, d, sc):
+        i = d % 32
+        b = vi_load_u8(pages.a, g + ((d // 32) * 16 + i % 16) * 16)
+        q = vi_sub(vi_and(vi_srl(b, (i // 16) * 4), vi_splat(15)), vi_splat(8))
+        return vf_mul(vf_from_vi(q), sc)
+    return q4
+
+
+def v_dims(pages, row, hd, d):
+    """Dims d..d+15 (d a multiple of 16) of the value row at byte offset ``row``, float32."""
+
+
+@overload(v_dims, inline="always")
+def _ol_v_dims(pages, row, hd, d):
+    kind = _kind(pages)
+    if kind == "F16":
+        return lambda pages, row, hd, d: vf_load_f16(pages.a, row + d * 2)
+    if kind == "BF16":
+        return lambda pages, row, hd, d: vf_load_bf16(pages.a, row + d * 2)
+    if kind == "FP8":
+        return lambda pages, row, hd, d: vf_load_e4m3(pages.a, row + d)
+    if kind == "Q8_0":
+        def q8(pages, row, hd, d):
+            s = vf_splat(vf_lane(vf_load_f16(pages.a, row + hd + (d // 32) * 2), 0))
+            return vf_mul(vf_from_vi(vi_load_i8(pages.a, row + d)), s)
+        return q8
+
+    def q4(pages, row, hd, d):
+        s = vf_splat(vf_lane(vf_load_f16(pages.a, row + hd // 2 + (d // 32) * 2), 0))
+        b = vi_load_u8(pages.a, row + (d // 32) * 16)
+        q = vi_sub(vi_and(vi_srl(b, (d % 32 // 16) * 4), vi_splat(15)), vi_splat(8))
+        return vf_mul(vf_from_vi(q), s)
+    return q4
+
+
+def v_el(pages, row, d):
+    """Dim ``d`` of a value row as float32 (the float types' head-size tails)."""
+
+
+@overload(v_el, inline="always")
+def _ol_v_el(pages, row, d):
+    kind = _kind(pages)
+    if kind == "F16":
+        return lambda pages, row, d: vf_lane(vf_load_f16(pages.a, row + d * 2), 0)
+    if kind == "BF16":
+        return lambda pages, row, d: vf_lane(vf_load_bf16(pages.a, row + d * 2), 0)
+    if kind == "FP8":
+        return lambda pages, row, d: vf_lane(vf_load_e4m3(pages.a, row + d), 0)
+    return lambda pages, row, d: np.float32(0.0)  # quantized heads are multiples of 32 dims
+
+
+def group_nbytes(pages, hd):
+    """k_group_nbytes for a page tuple, inside kernels."""
+
+
+@overload(group_nbytes, inline="always")
+def _ol_group_nbytes(pages, hd):
+    per = {"F16": 32, "BF16": 32, "FP8": 16, "Q8_0": 17, "Q4_0": 9}[_kind(pages)]
+    return lambda pages, hd: per * hd
+
+
+def row_nbytes(pages, hd):
+    """v_row_nbytes for a page tuple, inside kernels."""
+
+
+@overload(row_nbytes, inline="always")
+def _ol_row_nbytes(pages, hd):
+    kind = _kind(pages)
+    if kind in ("F16", "BF16"):
+        return lambda pages, hd: 2 * hd
+    if kind == "FP8":
+        return lambda pages, hd: hd
+    if kind == "Q8_0":
+        return lambda pages, hd: hd + hd // 16
+    return lambda pages, hd: hd // 2 + hd // 16
+
+
+# ----------------------------------------------------------------------------- stores
+
+@njit(cache=True, inline="always")
+def _put_u16(a, off, bits):
+    a[off] = bits & 0xFF
+    a[off + 1] = (bits >> 8) & 0xFF
+
+
+@njit(cache=True)
+def _f32_bits(x):
+    return np.array([x], np.float32).view(np.uint32)[0]
+
+
+@njit(cache=True)
+def bf16_bits(x):
+    """float32 -> bfloat16 bits, nearest-even (NaN stays a quiet NaN)."""
+    u = np.uint32(_f32_bits(np.float32(x)))
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16((u >> 16) | 0x40)
+    return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@njit(cache=True)
+def e4m3_bits(x):
+    """float32 -> FP8 E4M3 bits, nearest-even, saturating at +-448 (no inf; NaN -> 0)."""
+    v = np.float32(x)
+    sign = 0x80 if v < 0 else 0
+    a = abs(v)
+    if not a < 448.0:  # also NaN
+        return np.uint8(0 if a != a else sign | 0x7E)
+    if a < 2.0 ** -6:  # subnormal: steps of 2**-9 (8 reaches the smallest normal, code 8)
+        return np.uint8(sign | int(np.rint(a * 512.0)))
+    e = int(np.floor(np.log2(a)))
+    if 2.0 ** e > a:  # log2 rounding near powers of two
+        e -= 1
+    elif 2.0 ** (e + 1) <= a:
+        e += 1
+    m = int(np.rint((a / 2.0 ** e - 1.0) * 8.0))  # exact scaling, round half to even
+    code = ((e + 7) << 3) + m  # m == 8 carries into the exponent
+    return np.uint8(sign | min(code, 0x7E))
+
+
+@njit(cache=True)
+def _q8_block(x, out_q):
+    """llama.cpp's q8_0 rounding of one 32-dim block: d = amax / 127, q = round(x / d) (ties
+    away from zero); returns the f16 bits of d."""
+    amax = np.float32(0.0)
+    for i in range(32):
+        amax = max(amax, abs(x[i]))
+    d = np.float32(amax / np.float32(127.0))
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    for i in range(32):
+        y = x[i] * inv
+        out_q[i] = np.int8(np.floor(y + np.float32(0.5)) if y >= 0 else -np.floor(-y + np.float32(0.5)))
+    return f32_to_f16_bits(d)
+
+
+@njit(cache=True)
+def _q4_block(x, out_q):
+    """llama.cpp's q4_0 rounding of one 32-dim block: d = (the value of largest magnitude) / -8,
+    q = min(15, trunc(x / d + 8.5)); returns the f16 bits of d."""
+    amax = np.float32(0.0)
+    mx = np.float32(0.0)
+    for i in range(32):
+        if abs(x[i]) > amax:
+            amax = abs(x[i])
+            mx = x[i]
+    d = np.float32(mx / np.float32(-8.0))
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    for i in range(32):
+        out_q[i] = min(15, int(x[i] * inv + np.float32(8.5)))
+    return f32_to_f16_bits(d)
+
+
+def store_key(pages, g, lane, hd, x, tmp):
+    """Store key vector ``x`` (hd float32) as lane ``lane`` of key group ``g`` (byte offset)."""
+
+
+@overload(store_key)
+def _ol_store_key(pages, g, lane, hd, x, tmp):
+    kind = _kind(pages)
+    if kind in ("F16", "BF16", "FP8"):
+        def store(pages, g, lane, hd, x, tmp):
+            a = pages.a
+            for d in range(hd):
+                if kind == "F16":
+                    _put_u16(a, g + (d * 16 + lane) * 2, f32_to_f16_bits(x[d]))
+                elif kind == "BF16":
+                    _put_u16(a, g + (d * 16 + lane) * 2, bf16_bits(x[d]))
+                else:
+                    a[g + d * 16 + lane] = e4m3_bits(x[d])
+        return store
+
+    def store_q(pages, g, lane, hd, x, tmp):
+        a = pages.a
+        per = 16 if kind == "Q8_0" else 8
+        for c in range(hd // 32):
+            xs = x[c * 32:(c + 1) * 32]
+            if kind == "Q8_0":
+                s = _q8_block(xs, tmp)
+                for i in range(32):
+                    a[g + ((c * 32 + i) * 16 + lane)] = np.uint8(tmp[i] & 0xFF)
+            else:
+                s = _q4_block(xs, tmp)
+                for i in range(16):
+                    a[g + ((c * 16 + i) * 16 + lane)] = np.uint8(tmp[i] | (tmp[i + 16] << 4))
+            _put_u16(a, g + per * hd + (c * 16 + lane) * 2, s)
+    return store_q
+
+
+def store_value(pages, row, hd, x, tmp):
+    """Store value vector ``x`` (hd float32) as the row at byte offset ``row``."""
+
+
+@overload(store_value)
+def _ol_store_value(pages, row, hd, x, tmp):
+    kind = _kind(pages)
+    if kind in ("F16", "BF16", "FP8"):
+        def store(pages, row, hd, x, tmp):
+            a = pages.a
+            for d in range(hd):
+                if kind == "F16":
+                    _put_u16(a, row + d * 2, f32_to_f16_bits(x[d]))
+                elif kind == "BF16":
+                    _put_u16(a, row + d * 2, bf16_bits(x[d]))
+                else:
+                    a[row + d] = e4m3_bits(x[d])
+        return store
+
+    def store_q(pages, row, hd, x, tmp):
+        a = pages.a
+        qbytes = hd if kind == "Q8_0" else hd // 2
+        for c in range(hd // 32):
+            xs = x[c * 32:(c + 1) * 32]
+            if kind == "Q8_0":
+                s = _q8_block(xs, tmp)
+                for i in range(32):
+                    a[row + c * 32 + i] = np.uint8(tmp[i] & 0xFF)
+            else:
+                s = _q4_block(xs, tmp)
+                for i in range(16):
+                    a[row + c * 16 + i] = np.uint8(tmp[i] | (tmp[i + 16] << 4))
+            _put_u16(a, row + qbytes + c * 2, s)
+    return store_q
