@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping: block pools, prefix hashes, per-sequence block tables."""
