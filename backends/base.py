@@ -20,16 +20,40 @@ class RopeSpec:
     freq_factors: Any = None   # optional per-frequency divisors (rope_freqs tensor), numpy
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """How one layer's KV pages are shaped: heads, head size, tokens per block, KV types."""
+    n_kv_heads: int
+    head_dim: int
+    block_size: int
+    k_type: str = "f16"
+    v_type: str = "f16"
+
+
+@dataclass
+class LayerKV:
+    """What a layer's attention reads for one forward pass: the layer's pages (the backend's
+    own object), the block tables of the batch's sequences (int32 (n_seqs, max_blocks), -1
+    where a block is not held) and each token's row in them (int32 (n,))."""
+    pages: Any
+    tables: Any
+    row_seq: Any
+    block_size: int
+
+
 class Backend(Protocol):
     """Operations a model uses. ``x`` arrays are (n_tokens, features) unless noted."""
 
     name: str
+    fused_blocks: bool   # decoder_block runs a whole block natively (else it is composed)
 
     def begin_model(self, gguf_path: Any) -> None:
         """Called before a model's tensors are uploaded (e.g. to reuse stored conversions)."""
 
     def end_model(self) -> None:
         """Called after all tensors of the model are uploaded."""
+
+    # ---- weights
 
     def upload_matrix(self, name: str, type_name: str, raw: Any, N: int, K: int,
                       done: Any = None) -> Any:
@@ -38,6 +62,14 @@ class Backend(Protocol):
 
     def upload_vector(self, values: Any) -> Any:
         """Keep a float32 1-D tensor (norm weights, biases)."""
+
+    def upload_embedding(self, type_name: str, rows: Any, dim: int) -> Any:
+        """Keep a token embedding table (GGUF blocks, (vocab, row_bytes) uint8)."""
+
+    def matrix_nbytes(self, w: Any) -> int:
+        """Bytes an uploaded matrix occupies."""
+
+    # ---- math
 
     def embed(self, table: Any, ids: Sequence[int], scale: float = 1.0) -> Any:
         """Rows of the token embedding for ``ids``, times ``scale``: (n, dim)."""
@@ -54,15 +86,10 @@ class Backend(Protocol):
     def rope(self, x: Any, n_heads: int, positions: Sequence[int], spec: RopeSpec) -> Any:
         """Rotary position embedding of x (n, n_heads * head_dim)."""
 
-    def kv_cache_nbytes(self, n_kv_heads: int, head_dim: int, ctx: int) -> int:
-        """Bytes one layer's KV cache of ``ctx`` positions takes once filled."""
-
-    def new_kv_cache(self, n_kv_heads: int, head_dim: int, ctx: int) -> Any:
-        """An empty cache for one layer with room for ``ctx`` positions."""
-
-    def attention(self, q: Any, k: Any, v: Any, cache: Any, positions: Sequence[int],
+    def attention(self, q: Any, k: Any, v: Any, kv: LayerKV, positions: Sequence[int],
                   n_heads: int, scale: float, window: int = 0) -> Any:
-        """Store k, v at ``positions`` and attend causally: (n, n_heads * head_dim)."""
+        """Store k, v at ``positions`` of each token's sequence and attend causally:
+        (n, n_heads * head_dim)."""
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
         """act(gate) * up with act in {'silu', 'gelu_tanh'}."""
@@ -70,8 +97,30 @@ class Backend(Protocol):
     def add(self, x: Any, y: Any) -> Any:
         """x + y (may reuse x's storage)."""
 
+    def decoder_block(self, x: Any, w: Any, spec: Any, positions: Sequence[int],
+                      kv: LayerKV) -> Any:
+        """One whole decoder block (models/block.py) in the backend's native way, with the
+        bits of ``compose_block``; called only when ``fused_blocks``."""
+
     def select_rows(self, x: Any, rows: Sequence[int]) -> Any:
         """The given rows of x."""
 
     def to_numpy(self, x: Any) -> Any:
         """A float32 numpy copy or view of x."""
+
+    def from_numpy(self, x: Any) -> Any:
+        """A float32 numpy array as this backend's array (activations entering its layers)."""
+
+    def logsumexp(self, logits: Any) -> float:
+        """log(sum(exp(logits))) of one float32 numpy row."""
+
+    # ---- KV pages
+
+    def kv_block_nbytes(self, layout: KVLayout) -> int:
+        """Bytes one block of one layer takes, keys and values."""
+
+    def new_kv_pages(self, layout: KVLayout, n_blocks: int) -> Any:
+        """Pages for ``n_blocks`` blocks of one layer; memory is taken as blocks are written."""
+
+    def copy_kv_block(self, pages: Any, src: int, dst: int) -> None:
+        """Copy block ``src``'s keys and values to block ``dst`` (copy-on-write forks)."""

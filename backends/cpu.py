@@ -6,6 +6,7 @@ token's result does not depend on the other tokens computed with it.
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -14,27 +15,32 @@ import numpy as np
 
 from localllm.dequant import dequantize
 from localllm.kernels import attention as attn_k
+from localllm.kernels import kvpages
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
 
 from . import cpu_block
-from .base import RopeSpec
+from .base import KVLayout, LayerKV, RopeSpec
 from .cpu_store import PackedStore
 
 _EMPTY = np.zeros(0, np.float32)
 
 
 def _block_args(w, spec) -> tuple:
-    """The fused kernel's (weights tuple, cfg tuple) for a BlockWeights and BlockSpec."""
+    """The fused kernel's BlockArrays and BlockConfig for a BlockWeights and BlockSpec."""
     vec = lambda a: _EMPTY if a is None else a  # noqa: E731
-    weights = (w.attn_norm, w.wq.packed, w.wk.packed, w.wv.packed, vec(w.bq), vec(w.bk),
-               vec(w.bv), vec(w.q_norm), vec(w.k_norm), w.wo.packed, vec(w.post_attn_norm),
-               w.ffn_norm, w.w_gate.packed, w.w_up.packed, w.w_down.packed,
-               vec(w.post_ffn_norm))
-    cfg = (float(spec.norm_eps), spec.n_heads, spec.n_kv_heads, spec.head_dim,
-           bool(spec.rope.neox), int(spec.window), float(spec.attn_scale),
-           spec.activation == "gelu_tanh", w.w_gate.N,
-           w.wq.padded_rows, w.wk.padded_rows, w.w_gate.padded_rows, w.wo.padded_rows)
+    weights = cpu_block.BlockArrays(
+        attn_norm=w.attn_norm, wq=w.wq.packed, wk=w.wk.packed, wv=w.wv.packed, bq=vec(w.bq),
+        bk=vec(w.bk), bv=vec(w.bv), q_norm=vec(w.q_norm), k_norm=vec(w.k_norm),
+        wo=w.wo.packed, post_attn_norm=vec(w.post_attn_norm), ffn_norm=w.ffn_norm,
+        w_gate=w.w_gate.packed, w_up=w.w_up.packed, w_down=w.w_down.packed,
+        post_ffn_norm=vec(w.post_ffn_norm))
+    cfg = cpu_block.BlockConfig(
+        eps=float(spec.norm_eps), n_heads=spec.n_heads, n_kv=spec.n_kv_heads,
+        hd=spec.head_dim, neox=bool(spec.rope.neox), window=int(spec.window),
+        scale=float(spec.attn_scale), gelu=spec.activation == "gelu_tanh", hidden=w.w_gate.N,
+        q_rows=w.wq.padded_rows, kv_rows=w.wk.padded_rows, f_rows=w.w_gate.padded_rows,
+        d_rows=w.wo.padded_rows)
     if spec.activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"unknown activation {spec.activation}")
     return weights, cfg
@@ -56,29 +62,30 @@ class Embedding:
     dim: int
 
 
-class KVCache:
-    """One layer's keys and values as float16 bits (see kernels.attention for the layout)."""
-
-    def __init__(self, n_kv_heads: int, head_dim: int, ctx: int):
-        ctx_pad = self.padded(ctx)
-        # np.zeros maps untouched pages lazily, so a long context costs memory only as it fills.
-        self.K = np.zeros((n_kv_heads, ctx_pad // 16, head_dim, 16), np.uint16)
-        self.V = np.zeros((n_kv_heads, ctx_pad, head_dim), np.uint16)
-        self.ctx = ctx
-
-    @staticmethod
-    def padded(ctx: int) -> int:
-        """Positions held for a context of ``ctx`` (whole key blocks)."""
-        return -(-ctx // attn_k.KEYS_PER_BLOCK) * attn_k.KEYS_PER_BLOCK
-
-    @classmethod
-    def nbytes_for(cls, n_kv_heads: int, head_dim: int, ctx: int) -> int:
-        """Bytes of one layer's cache for ``ctx`` positions, once filled."""
-        return 2 * 2 * n_kv_heads * head_dim * cls.padded(ctx)
+@dataclass
+class KVPages:
+    """One layer's KV pages: flat byte arrays in the kernels' page layout (kernels/kvpages.py),
+    mapped lazily, so memory is taken only as blocks are first written."""
+    layout: KVLayout
+    K: tuple        # kvpages.Pages<type>
+    V: tuple
+    k_block: int    # bytes of one block's keys, of its values
+    v_block: int
 
     @property
     def nbytes(self) -> int:
-        return self.K.nbytes + self.V.nbytes
+        return self.K.a.size + self.V.a.size - 2 * kvpages.PAD
+
+
+def _block_nbytes(layout: KVLayout) -> tuple[int, int]:
+    hd, n = layout.head_dim, layout.n_kv_heads
+    return (n * layout.block_size // 16 * kvpages.k_group_nbytes(layout.k_type, hd),
+            n * layout.block_size * kvpages.v_row_nbytes(layout.v_type, hd))
+
+
+def _lazy_bytes(n: int) -> np.ndarray:
+    """A zeroed byte array whose pages the OS maps only when first touched."""
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n]
 
 
 def set_threads(n: int) -> int:
@@ -109,8 +116,8 @@ class CpuBackend:
         self._weight_cache = weight_cache
         self._store = None
         self._rope_memo = None
-        if not fused:  # op-by-op (the models' reference composition); same bits, slower
-            self.decoder_block = None
+        # False: blocks run op by op (models/block.py's reference composition); same bits.
+        self.fused_blocks = fused
 
     # ---- weights -------------------------------------------------------------------
 
@@ -141,6 +148,9 @@ class CpuBackend:
 
     def upload_embedding(self, type_name: str, rows: np.ndarray, dim: int) -> Embedding:
         return Embedding(type_name, rows, dim)
+
+    def matrix_nbytes(self, w) -> int:
+        return int(w.nbytes)
 
     def embed(self, table: Embedding, ids, scale: float = 1.0):
         ids = np.asarray(ids, np.int64)
@@ -192,23 +202,46 @@ class CpuBackend:
             self._tables[key] = have
         return have[0][pos], have[1][pos]
 
-    def new_kv_cache(self, n_kv_heads, head_dim, ctx):
-        return KVCache(n_kv_heads, head_dim, ctx)
+    # ---- KV pages --------------------------------------------------------------------
 
-    kv_cache_nbytes = staticmethod(KVCache.nbytes_for)
+    @staticmethod
+    def kv_block_nbytes(layout: KVLayout) -> int:
+        return sum(_block_nbytes(layout))
 
-    def attention(self, q, k, v, cache: KVCache, positions, n_heads, scale, window=0):
+    def new_kv_pages(self, layout: KVLayout, n_blocks: int) -> KVPages:
+        for t in (layout.k_type, layout.v_type):
+            kvpages.check_head_dim(t, layout.head_dim)
+        if layout.block_size <= 0 or layout.block_size % attn_k.KEYS_PER_BLOCK:
+            raise ValueError(f"KV block size must be a positive multiple of "
+                             f"{attn_k.KEYS_PER_BLOCK}, got {layout.block_size}")
+        kb, vb = _block_nbytes(layout)
+        K = kvpages.PAGE_CLASSES[layout.k_type](_lazy_bytes(n_blocks * kb + kvpages.PAD))
+        V = kvpages.PAGE_CLASSES[layout.v_type](_lazy_bytes(n_blocks * vb + kvpages.PAD))
+        return KVPages(layout, K, V, kb, vb)
+
+    def copy_kv_block(self, pages: KVPages, src: int, dst: int) -> None:
+        for arr, nb in ((pages.K.a, pages.k_block), (pages.V.a, pages.v_block)):
+            arr[dst * nb:(dst + 1) * nb] = arr[src * nb:(src + 1) * nb]
+
+    def _paged(self, kv: LayerKV) -> attn_k.PagedKV:
+        p = kv.pages
+        return attn_k.PagedKV(p.K, p.V, kv.tables, kv.row_seq, kv.block_size,
+                              p.layout.n_kv_heads)
+
+    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0):
         n = q.shape[0]
-        n_kv, hd = cache.V.shape[0], cache.V.shape[2]
+        pk = self._paged(kv)
+        n_kv, hd = pk.n_kv, kv.pages.layout.head_dim
         pos = np.asarray(positions, np.int64)
-        attn_k.kv_write(cache.K, cache.V, np.ascontiguousarray(k).reshape(n, n_kv, hd),
+        attn_k.kv_write(pk.K, pk.V, pk.tables, pk.row_seq, pk.block_size,
+                        np.ascontiguousarray(k).reshape(n, n_kv, hd),
                         np.ascontiguousarray(v).reshape(n, n_kv, hd), pos)
         out = np.empty((n, n_heads, hd), np.float32)
-        attn_k.attend(np.ascontiguousarray(q).reshape(n, n_heads, hd), cache.K, cache.V, pos,
-                      int(window), float(scale), out)
+        attn_k.attend(np.ascontiguousarray(q).reshape(n, n_heads, hd), pk.K, pk.V, pk.tables,
+                      pk.row_seq, pk.block_size, n_kv, pos, int(window), float(scale), out)
         return out.reshape(n, n_heads * hd)
 
-    def decoder_block(self, x, w, spec, positions, cache: KVCache):
+    def decoder_block(self, x, w, spec, positions, kv: LayerKV):
         """One whole decoder block in a single Numba call (see models/block.py)."""
         entry = self._blocks.get(id(w))
         if entry is None or entry[0] is not w:
@@ -223,7 +256,7 @@ class CpuBackend:
             memo = self._rope_memo = (positions, spec.rope, cos, sin,
                                       np.asarray(positions, np.int64))
         x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel
-        cpu_block.decoder_block(x, weights, cfg, cache.K, cache.V, memo[4], memo[2], memo[3])
+        cpu_block.decoder_block(x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
         return x
 
     def glu(self, gate, up, act):
@@ -242,6 +275,9 @@ class CpuBackend:
 
     def to_numpy(self, x):
         return x
+
+    def from_numpy(self, x):
+        return np.ascontiguousarray(x, dtype=np.float32)
 
     def logsumexp(self, logits) -> float:
         """log(sum(exp(logits))) of one row, vectorized (for the chosen token's log-prob)."""

@@ -6,6 +6,8 @@ Absent optional tensors (biases, QK-norm, post-norms) are passed as empty arrays
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from numba import njit, prange
 from numba.extending import overload
@@ -15,6 +17,17 @@ from localllm.kernels import packing as P
 from localllm.kernels.actquant import act_buffers, quantize_q8_32_row, quantize_q8_256_row
 from localllm.kernels.matmul import matmul_tile
 from localllm.kernels.ops import add_row, glu, rms_norm_row, rope_row
+
+# A layer's tensors as the kernel takes them (packed weights, float32 vectors; absent ones
+# empty), and the sizes that select its loops.
+BlockArrays = namedtuple("BlockArrays", [
+    "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo",
+    "post_attn_norm", "ffn_norm", "w_gate", "w_up", "w_down", "post_ffn_norm"])
+# q_rows, kv_rows, f_rows, d_rows: padded output widths (whole 16-row tiles) of the
+# projections to q, k/v, the hidden layer and back to dim.
+BlockConfig = namedtuple("BlockConfig", [
+    "eps", "n_heads", "n_kv", "hd", "neox", "window", "scale", "gelu", "hidden",
+    "q_rows", "kv_rows", "f_rows", "d_rows"])
 
 
 def reads(w):
@@ -132,22 +145,22 @@ def residual(x, y, post_norm, eps):
 
 
 @njit(cache=True, parallel=True)
-def decoder_block(x, w, cfg, K, V, positions, cos, sin):
+def decoder_block(x, w, cfg, kv, positions, cos, sin):
     """One decoder block for n tokens, in place on x (n, dim).
 
     Args:
         x: float32 (n, dim) hidden states, updated in place.
-        w: tuple (attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo, post_attn_norm,
-           ffn_norm, w_gate, w_up, w_down, post_ffn_norm) of arrays / packed weights.
-        cfg: (eps, n_heads, n_kv_heads, head_dim, neox, window, attn_scale, gelu, hidden,
-              q_rows, kv_rows, hidden_rows, dim_rows): the last four are the padded output
-              widths (whole 16-row tiles) of the projections.
-        K, V: this layer's cache; positions: int64 (n,); cos, sin: (n, n_rot // 2) tables.
+        w: BlockArrays; cfg: BlockConfig.
+        kv: attention.PagedKV: this layer's pages and the batch's block tables.
+        positions: int64 (n,); cos, sin: (n, n_rot // 2) tables.
     """
-    (attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo, post_attn_norm,
-     ffn_norm, w_gate, w_up, w_down, post_ffn_norm) = w
-    (eps, n_heads, n_kv, hd, neox, window, scale, gelu, hidden,
-     q_rows, kv_rows, f_rows, d_rows) = cfg
+    attn_norm, wq, wk, wv = w.attn_norm, w.wq, w.wk, w.wv
+    bq, bk, bv, q_norm, k_norm = w.bq, w.bk, w.bv, w.q_norm, w.k_norm
+    wo, post_attn_norm, ffn_norm = w.wo, w.post_attn_norm, w.ffn_norm
+    w_gate, w_up, w_down, post_ffn_norm = w.w_gate, w.w_up, w.w_down, w.post_ffn_norm
+    eps, n_heads, n_kv, hd = cfg.eps, cfg.n_heads, cfg.n_kv, cfg.hd
+    neox, window, scale, gelu, hidden = cfg.neox, cfg.window, cfg.scale, cfg.gelu, cfg.hidden
+    q_rows, kv_rows, f_rows, d_rows = cfg.q_rows, cfg.kv_rows, cfg.f_rows, cfg.d_rows
     n, dim = x.shape
 
     # attention
@@ -166,9 +179,11 @@ def decoder_block(x, w, cfg, K, V, positions, cos, sin):
     k = k[:, :kvd].copy() if kv_rows != kvd else k
     v = v[:, :kvd].copy() if kv_rows != kvd else v
     qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
-    attn_k.kv_write(K, V, k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd), positions)
+    attn_k.kv_write(kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, k.reshape(n, n_kv, hd),
+                    v.reshape(n, n_kv, hd), positions)
     o = np.empty((n, n_heads, hd), np.float32)
-    attn_k.attend(q.reshape(n, n_heads, hd), K, V, positions, window, scale, o)
+    attn_k.attend(q.reshape(n, n_heads, hd), kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size,
+                  n_kv, positions, window, scale, o)
     o2 = o.reshape(n, qd)
     r, s = reads(wo)
     b32, b256 = act_buffers(n, qd, r, s)

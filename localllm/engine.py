@@ -2,15 +2,20 @@
 
     >>> m = localllm.load("smollm2-135m")
     >>> print("".join(m.chat([{"role": "user", "content": "Hi"}], max_tokens=20)))
+
+A model serves many sequences at once (``new_sequence``); each generation without one makes
+its own, so interleaved generators never disturb each other, and the paged KV cache reuses
+the blocks of any earlier prompt that shares a prefix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -19,15 +24,19 @@ from .chat_template import ChatTemplate
 from .generate import Chunk, GenerationStats, run_generation
 from .gguf import GGUFFile
 from .models import build, module_for
-from .models.common import WeightLoader
+from .models.common import Placement, WeightLoader
 from .sampling import SamplingParams
+from .sequence import EngineError, KVSpace, KVStats, Runner, Sequence
 from .tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
+KV_TYPES = ("f16", "bf16", "q8_0", "q4_0", "fp8")
+# Default pool: room for this many full contexts (one request's, plus cached prefixes).
+_POOL_CONTEXTS = 2
+_MEMORY_MARGIN = 256 << 20
 
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (e.g. a prompt longer than the context)."""
+__all__ = ["EngineError", "Generation", "KVStats", "LoadSettings", "Model", "Sequence",
+           "load"]
 
 
 @dataclass
@@ -41,6 +50,10 @@ class LoadSettings:
     models_dir: str | None = None      # model cache directory override
     download: bool = True              # fetch known model names when not cached
     weight_cache: bool = True          # keep repacked weights on disk for faster loads
+    ctk: str = "f16"                   # KV cache type of keys ...
+    ctv: str = "f16"                   # ... and of values (see KV_TYPES)
+    kv_block_size: int = 16            # tokens per KV block (a multiple of 16)
+    kv_pool_mb: float = 0              # KV pool limit; 0: two contexts, as memory allows
 
 
 def physical_cores() -> int:
@@ -60,31 +73,42 @@ def _make_backend(settings: LoadSettings):
     return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
 
 
-def memory_needed(file: GGUFFile, args, ctx: int, backend=None) -> tuple[int, int]:
+def kv_bytes_per_token(args, backend, ctk: str = "f16", ctv: str = "f16",
+                       block_size: int = 16) -> int:
+    """KV bytes one token takes in every layer, for the given KV types."""
+    from .backends.base import KVLayout
+    layout = KVLayout(args.n_kv_heads, args.head_dim, block_size, ctk, ctv)
+    return args.n_layers * backend.kv_block_nbytes(layout) // block_size
+
+
+def memory_needed(file: GGUFFile, args, ctx: int, backend=None, ctk: str = "f16",
+                  ctv: str = "f16") -> tuple[int, int]:
     """Bytes a model will hold in memory: (weights, KV cache of ``ctx`` tokens).
 
     Weights are copied into the kernels' layout, except a token embedding table that has a
     separate output matrix (its rows are read from the mapped file as tokens need them).
-    The KV cache (the backend's, default the CPU one) is counted full, as a long
-    conversation will fill it.
+    The KV cache is counted full, as a long conversation will fill it.
     """
     weights = sum(t.nbytes for t in file.tensors.values())
     if "output.weight" in file.tensors and "token_embd.weight" in file.tensors:
         weights -= file.tensors["token_embd.weight"].nbytes
     if backend is None:
         from .backends.cpu import CpuBackend as backend
-    kv = args.n_layers * backend.kv_cache_nbytes(args.n_kv_heads, args.head_dim, ctx)
-    return weights, kv
+    return weights, ctx * kv_bytes_per_token(args, backend, ctk, ctv)
+
+
+def _available_memory() -> int:
+    import psutil
+    return psutil.virtual_memory().available
 
 
 def check_memory(file: GGUFFile, args, ctx: int, available: int | None = None,
-                 backend=None) -> None:
+                 backend=None, ctk: str = "f16", ctv: str = "f16") -> None:
     """Raises EngineError, before any weight is loaded, when the weights and a full KV cache
     of ``ctx`` tokens would not fit in the memory available now."""
-    weights, kv = memory_needed(file, args, ctx, backend)
+    weights, kv = memory_needed(file, args, ctx, backend, ctk, ctv)
     if available is None:
-        import psutil
-        available = psutil.virtual_memory().available
+        available = _available_memory()
     if weights + kv > available:
         gb = 1 << 30
         hint = " (try a smaller --ctx-size)" if kv > available // 4 else ""
@@ -94,87 +118,92 @@ def check_memory(file: GGUFFile, args, ctx: int, available: int | None = None,
             f"available{hint}")
 
 
-class Session:
-    """A KV cache and the tokens it holds; new prompts reuse the longest cached prefix."""
-
-    def __init__(self, model: "Model", ctx: int):
-        self.model = model
-        self.ctx = ctx
-        self.cache = model.net.new_cache(ctx)
-        self.tokens: list[int] = []
-
-    def reusable(self, ids: Sequence[int]) -> int:
-        """How many leading tokens of ``ids`` are already in the cache (at most len - 1, so
-        the last token is always run to produce logits)."""
-        n = 0
-        limit = min(len(self.tokens), len(ids) - 1)
-        while n < limit and self.tokens[n] == ids[n]:
-            n += 1
+def pool_tokens(settings: LoadSettings, ctx: int, per_token: int, weights: int,
+                available: int | None = None) -> int:
+    """Tokens the KV pool may hold: --kv-pool-mb's worth (at least one context), else two
+    contexts where memory allows, one at the least."""
+    if settings.kv_pool_mb:
+        n = int(settings.kv_pool_mb * (1 << 20)) // per_token
+        if n < ctx:
+            raise EngineError(
+                f"--kv-pool-mb {settings.kv_pool_mb:g} holds {n} tokens of KV, less than the "
+                f"{ctx}-token context ({ctx * per_token / (1 << 20):.1f} MB); raise it or "
+                "lower --ctx-size")
         return n
+    if available is None:
+        available = _available_memory()
+    spare = (available - weights - _MEMORY_MARGIN) // per_token
+    return max(ctx, min(_POOL_CONTEXTS * ctx, spare))
 
-    def truncate(self, n: int) -> None:
-        del self.tokens[n:]
 
-    def feed(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append tokens to the cache and return logits.
+def file_identity(path: Path) -> bytes:
+    """A GGUF file's identity for the prefix cache: its size, head and tail."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 16))
+        f.seek(max(0, size - (1 << 16)))
+        h.update(f.read(1 << 16))
+    return h.digest()
 
-        Args:
-            ids: tokens following those cached.
-            all_logits: return every position's logits instead of the last one's.
-        Returns:
-            float32 (vocab,) or (len(ids), vocab).
-        """
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise EngineError("nothing to process")
-        start = len(self.tokens)
-        if start + len(ids) > self.ctx:
-            raise EngineError(f"{start + len(ids)} tokens exceed the context size {self.ctx}")
-        vocab = self.model.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise EngineError(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
-        net, be = self.model.net, self.model.backend
-        bs = max(1, self.model.settings.batch_size)
-        outs = []
-        for s in range(0, len(ids), bs):
-            chunk = ids[s:s + bs]
-            pos = np.arange(start + s, start + s + len(chunk), dtype=np.int64)
-            rows = range(len(chunk)) if all_logits else ([len(chunk) - 1] if s + bs >= len(ids) else [])
-            y = net.forward(np.asarray(chunk, np.int64), pos, self.cache, list(rows))
-            if y is not None:
-                outs.append(be.to_numpy(y))
-            self.tokens.extend(chunk)
-        out = np.concatenate(outs) if len(outs) > 1 else outs[0]
-        return out if all_logits else out[-1]
+
+class Generation:
+    """A running generation: iterate it for Chunk pieces; ``stats`` fills in as it goes,
+    ``close()`` stops it early (its blocks go back to the pool at once)."""
+
+    def __init__(self, chunks: Iterator[Chunk], stats: GenerationStats):
+        self._chunks = chunks
+        self.stats = stats
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
 
 
 class Model:
-    """A loaded model: tokenizer, chat template, weights on a backend, and one session."""
+    """A loaded model: tokenizer, chat template, placed layers and the paged KV cache."""
 
     def __init__(self, path: str | os.PathLike, settings: LoadSettings | None = None):
         t0 = time.perf_counter()
-        self.settings = settings or LoadSettings()
+        self.settings = s = settings or LoadSettings()
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         meta = self.file.metadata
         self.metadata = meta
         module = module_for(meta)  # an unsupported architecture fails before any other work
         args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
-        ctx = self.settings.ctx_size or min(DEFAULT_CTX, args.context_length)
+        ctx = s.ctx_size or min(DEFAULT_CTX, args.context_length)
         if ctx <= 0:
             raise EngineError(f"context size must be positive, got {ctx}")
-        self.backend = _make_backend(self.settings)
-        check_memory(self.file, args, ctx, backend=self.backend)
+        for name, t in (("ctk", s.ctk), ("ctv", s.ctv)):
+            if t not in KV_TYPES:
+                raise EngineError(f"unknown KV type {t!r} for {name} (choose from "
+                                  f"{', '.join(KV_TYPES)})")
+        self.backend = _make_backend(s)
+        per_token = kv_bytes_per_token(args, self.backend, s.ctk, s.ctv, s.kv_block_size)
+        check_memory(self.file, args, ctx, backend=self.backend, ctk=s.ctk, ctv=s.ctv)
+        weights, _ = memory_needed(self.file, args, ctx, self.backend, s.ctk, s.ctv)
+        n_pool = pool_tokens(s, ctx, per_token, weights)
         self.backend.begin_model(self.path)  # may read stored weights while the rest builds
         self.tokenizer = Tokenizer.from_metadata(meta)
-        self.template = ChatTemplate.resolve(meta, self.settings.chat_template)
-        self.net = build(meta, WeightLoader(self.file, self.backend), args)
+        self.template = ChatTemplate.resolve(meta, s.chat_template)
+        placement = Placement.single(self.backend, args.n_layers)
+        self.net = build(meta, WeightLoader(self.file, placement), args)
         self.backend.end_model()
         self.args = self.net.args
         self.vocab_size = self.args.vocab_size
         self.ctx = ctx
-        self.session = Session(self, ctx)
+        try:
+            self.kv = KVSpace(self.net, s.ctk, s.ctv, s.kv_block_size, n_pool,
+                              file_identity(self.path))
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._runner = Runner(self.net, self.kv, ctx, s.batch_size, self.vocab_size)
         self.last_stats = GenerationStats()
         self.load_seconds = time.perf_counter() - t0
 
@@ -183,7 +212,7 @@ class Model:
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
-    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    def detokenize(self, ids: Seq[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -200,34 +229,67 @@ class Model:
             ids.insert(0, bos)
         return ids
 
+    # ---- sequences and the cache ------------------------------------------------------
+
+    def new_sequence(self) -> Sequence:
+        """An empty per-request state (tokens and block tables) on this model."""
+        return Sequence(self._runner)
+
+    def kv_stats(self) -> KVStats:
+        """Blocks used, cached and free, and the bytes per token of the KV types."""
+        return self.kv.stats()
+
+    def step(self, items: list[tuple[Sequence, list[int], bool | None]]) -> list:
+        """One forward pass over several sequences' new tokens (continuous batching, a
+        speculative verification): see sequence.Runner.step."""
+        return self._runner.step(items)
+
     # ---- scoring and generation -----------------------------------------------------
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Teacher-forced logits of every position, from an empty cache.
+    def logits(self, ids: Seq[int]) -> np.ndarray:
+        """Teacher-forced logits of every position, computed afresh (no cached prefix).
 
         Returns:
             float32 (len(ids), vocab_size).
         """
         if len(ids) > self.ctx:
             raise EngineError(f"{len(ids)} tokens exceed the context size {self.ctx}")
-        self.session.truncate(0)
-        return self.session.feed(ids, all_logits=True)
+        with self.new_sequence() as seq:
+            return seq.feed(ids, all_logits=True)
 
-    def generate(self, prompt: str | Sequence[int], **sampling) -> Iterator[Chunk]:
+    def generate(self, prompt: str | Seq[int], seq: Sequence | None = None,
+                 **sampling) -> Generation:
         """Stream a continuation of a prompt (text, tokenized with BOS per the model, or ids).
 
         Args:
             prompt: text or token ids.
+            seq: the sequence to continue (its KV for the common prefix is reused, and it
+                holds the prompt and the output afterwards); None: a fresh one, released
+                at the end.
             **sampling: SamplingParams fields (temperature, top_k, ..., seed, max_tokens, stop).
-        Yields:
-            Chunk pieces of text (str) carrying .tokens and .logprobs.
+        Returns:
+            A Generation: Chunk pieces of text (str) carrying .tokens, .logprobs and, on the
+            last, .finish_reason.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return self._generate(ids, self._params(sampling))
+        return self._generate(ids, self._params(sampling), seq)
 
-    def chat(self, messages: list[dict], **sampling) -> Iterator[Chunk]:
-        """Stream the assistant's reply to a conversation, using the chat template."""
-        return self._generate(self.chat_tokens(messages), self._params(sampling))
+    def chat(self, messages: list[dict], seq: Sequence | None = None,
+             context_shift: bool = False, **sampling) -> Generation:
+        """Stream the assistant's reply to a conversation, using the chat template.
+
+        Args:
+            messages: [{"role", "content"}, ...].
+            seq: as for generate.
+            context_shift: when the conversation does not fit, or fills up while replying,
+                drop its oldest turns (after any system message) instead of failing or
+                stopping; ``stats.dropped_messages`` counts them.
+            **sampling: SamplingParams fields.
+        """
+        params = self._params(sampling)
+        if not context_shift:
+            return self._generate(self.chat_tokens(messages), params, seq)
+        return self._shifting_chat(list(messages), params, seq)
 
     def _params(self, sampling: dict) -> SamplingParams:
         names = {f.name for f in fields(SamplingParams)}
@@ -238,21 +300,77 @@ class Model:
         p.validate()
         return p
 
-    def _generate(self, ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
+    def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise EngineError("the prompt is empty")
         if len(ids) >= self.ctx:
             raise EngineError(f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
                               "use a larger context size (-c) or a shorter prompt")
-        sess = self.session
-        cached = sess.reusable(ids)
-        sess.truncate(cached)
-        stats = GenerationStats()
+
+    def _generate(self, ids: list[int], params: SamplingParams, seq: Sequence | None,
+                  shift=None, stats: GenerationStats | None = None) -> Generation:
+        self._check_prompt(ids)
+        if seq is not None:
+            seq._check()
+        stats = stats or GenerationStats()
         self.last_stats = stats
-        return run_generation(sess.feed, ids, cached, self.ctx - len(ids), params,
-                              self.vocab_size, self.tokenizer.stream(continuation=True),
-                              self.tokenizer.is_eog, stats,
-                              getattr(self.backend, "logsumexp", None))
+        return Generation(self._run(ids, params, seq, stats, shift), stats)
+
+    def _run(self, ids, params, seq, stats, shift) -> Iterator[Chunk]:
+        own = seq is None
+        if own:
+            seq = self.new_sequence()
+        try:
+            cached = self._runner.reuse(seq, ids)
+
+            def make_room(generated):
+                made = shift(generated)
+                if made is None:
+                    return None
+                new_ids, room = made
+                fresh = self.new_sequence()
+                logits = fresh.feed(new_ids)
+                seq.adopt(fresh)  # positions changed: the shortened conversation anew
+                return logits, room
+
+            yield from run_generation(
+                seq.feed, ids, cached, self.ctx - len(ids), params, self.vocab_size,
+                self.tokenizer.stream(continuation=True), self.tokenizer.is_eog, stats,
+                self.backend.logsumexp, lambda: self.kv.cache.checkpoint(seq.kv),
+                make_room if shift is not None else None)
+        finally:
+            if own:
+                seq.release()
+
+    def _shifting_chat(self, messages: list[dict], params: SamplingParams,
+                       seq: Sequence | None) -> Generation:
+        """chat() with the oldest turns dropped as needed to fit the context."""
+        first = 1 if messages and messages[0].get("role") == "system" else 0
+        stats = GenerationStats()
+        dropped = 0
+
+        def fit(extra: list[int]) -> list[int] | None:
+            nonlocal dropped
+            while True:
+                ids = self.chat_tokens(messages[:first] + messages[first + dropped:]) + extra
+                if len(ids) < self.ctx - 16 or first + dropped >= len(messages) - 1:
+                    return ids if len(ids) < self.ctx else None
+                dropped += 1
+                stats.dropped_messages = dropped
+
+        ids = fit([])
+        if ids is None:
+            raise EngineError("the last message alone does not fit in the context; use a "
+                              "larger context size (-c)")
+
+        def shift(generated: list[int]):
+            before = dropped
+            new = fit(list(generated))
+            if new is None or dropped == before:
+                return None
+            return new, self.ctx - len(new)
+
+        return self._generate(ids, params, seq, shift, stats)
 
     def close(self) -> None:
         self.file.close()
@@ -270,7 +388,8 @@ def load(path_or_name: str | os.PathLike | None = None, **settings) -> Model:
     Args:
         path_or_name: a .gguf path, a known model name (see ``llm list``), or None for the
             default model.
-        **settings: LoadSettings fields (ctx_size, threads, batch_size, chat_template, ...).
+        **settings: LoadSettings fields (ctx_size, threads, batch_size, chat_template, ctk,
+            ctv, kv_block_size, kv_pool_mb, ...).
     Returns:
         A Model.
     """

@@ -13,15 +13,24 @@ from .sampling import Sampler, SamplingParams
 
 
 class Chunk(str):
-    """A piece of generated text (a ``str``) with the tokens that produced it."""
+    """A piece of generated text (a ``str``) with the tokens that produced it.
+
+    ``finish_reason`` is None except on the last chunk of a stream: 'stop' (end of text or a
+    stop string) or 'length' (max_tokens reached or the context full). ``top_logprobs`` has,
+    when asked for, one list of (token id, log-probability) pairs per token.
+    """
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
+    finish_reason: str | None
+    top_logprobs: tuple
 
-    def __new__(cls, text: str, tokens=(), logprobs=()):
+    def __new__(cls, text: str, tokens=(), logprobs=(), finish_reason=None, top_logprobs=()):
         obj = super().__new__(cls, text)
         obj.tokens = tuple(tokens)
         obj.logprobs = tuple(logprobs)
+        obj.finish_reason = finish_reason
+        obj.top_logprobs = tuple(top_logprobs)
         return obj
 
 
@@ -33,9 +42,10 @@ class GenerationStats:
     generated_tokens: int = 0
     generate_seconds: float = 0.0
     time_to_first_token: float = 0.0
-    finish_reason: str = ""      # 'stop', 'length' or 'context'
+    finish_reason: str = ""      # 'stop' or 'length'
     seed: int = 0
     tokens: list[int] = field(default_factory=list)
+    dropped_messages: int = 0    # oldest chat turns dropped to fit the context (context shift)
 
     @property
     def prompt_tps(self) -> float:
@@ -84,7 +94,9 @@ class StopMatcher:
 def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence[int],
                    cached: int, room: int, params: SamplingParams, vocab_size: int,
                    stream, is_eog: Callable[[int], bool], stats: GenerationStats,
-                   logsumexp=None) -> Iterator[Chunk]:
+                   logsumexp=None, after_prompt: Callable[[], None] | None = None,
+                   shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None
+                   ) -> Iterator[Chunk]:
     """Generate from a prompt.
 
     Args:
@@ -96,8 +108,11 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         is_eog: end-of-generation test.
         stats: filled in as generation proceeds.
         logsumexp: optional fast log-sum-exp for the log-probabilities.
+        after_prompt: called once the prompt is processed (e.g. to checkpoint the cache).
+        shift: when the context is full, may make room (given the tokens generated so far):
+            returns the next logits and the new room, or None to end with 'length'.
     Yields:
-        Chunk pieces of text.
+        Chunk pieces of text; the last one carries the finish reason.
     """
     sampler = Sampler(params, vocab_size, logsumexp)
     stats.seed = sampler.seed
@@ -108,41 +123,55 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
     t0 = time.perf_counter()
     logits = feed(prompt[cached:])
     stats.prompt_seconds = time.perf_counter() - t0
+    if after_prompt is not None:
+        after_prompt()
     t_gen = time.perf_counter()
     toks: list[int] = []
     lps: list[float] = []
+    tops: list = []
+    text, stopped = "", False
     stats.finish_reason = "length"
-    stopped = False
     for i in range(params.max_tokens):
-        tok, lp = sampler.sample(logits, history)
+        tok, lp, top = sampler.sample(logits, history)
         if i == 0:
             stats.time_to_first_token = time.perf_counter() - t0
         if is_eog(tok) and not params.ignore_eos:
-            stats.finish_reason = "stop"
+            stats.finish_reason, text = "stop", ""
             break
         history.append(tok)
         stats.tokens.append(tok)
         stats.generated_tokens += 1
         toks.append(tok)
         lps.append(lp)
+        if params.top_logprobs:
+            tops.append(top)
         text, stopped = stop.push(stream.feed(tok))
-        if text or stopped:
-            yield Chunk(text, toks, lps)
-            toks, lps = [], []
         if stopped:
             stats.finish_reason = "stop"
             break
         if i + 1 == params.max_tokens:
             break
+        fed = False
         if stats.generated_tokens >= room:
-            stats.finish_reason = "context"
-            break
-        logits = feed([tok])
+            # The context is full: make room (context shift) or end here.
+            made = shift(stats.tokens) if shift is not None else None
+            if made is None:
+                break
+            logits, more = made
+            room = stats.generated_tokens + more
+            fed = True
+        if text:
+            yield Chunk(text, toks, lps, None, tops)
+            toks, lps, tops = [], [], []
+        if not fed:
+            logits = feed([tok])
     stats.generate_seconds = time.perf_counter() - t_gen
     if not stopped:
         # Bytes held for an unfinished character, then text held for a possible stop string.
-        text, stopped = stop.push(stream.flush())
-        if not stopped:
+        more, stopped = stop.push(stream.flush())
+        text += more
+        if stopped:
+            stats.finish_reason = "stop"
+        else:
             text += stop.flush()
-        if text or toks:
-            yield Chunk(text, toks, lps)
+    yield Chunk(text, toks, lps, stats.finish_reason, tops)

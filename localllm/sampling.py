@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +29,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    top_logprobs: int = 0        # also report this many most likely tokens per position
 
     def validate(self) -> None:
         """Raise ValueError for settings that make no sense."""
@@ -49,6 +52,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError("stop strings must be non-empty strings")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs}")
 
 
 class Sampler:
@@ -118,40 +124,52 @@ class Sampler:
         n = max(n, 1)
         return cand[:n], zc[:n]
 
-    def sample(self, logits: np.ndarray, history: list[int]) -> tuple[int, float]:
+    def sample(self, logits: np.ndarray, history: list[int]) -> tuple[int, float, list]:
         """Choose the next token.
 
         Args:
             logits: float (vocab,) for the next position.
             history: tokens so far (prompt and generated), for the penalties.
         Returns:
-            (token id, log-probability of that token under the model's raw distribution).
+            (token id, its log-probability under the model's raw distribution, the
+            ``top_logprobs`` most likely (id, log-probability) pairs, or []).
         """
         p = self.p
         if (p.temperature == 0 and not p.logit_bias and p.repeat_penalty == 1.0
                 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
             tok = int(np.argmax(logits))  # plain greedy: no copy of the logits needed
-            return tok, self.logprob(logits, tok)
-        cand, zc = self.candidates(logits, history)
-        if cand.size == 1:
-            tok = int(cand[0])
         else:
-            w = np.exp((zc - zc[0]) / self.p.temperature)
-            c = np.cumsum(w)
-            i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
-            tok = int(cand[min(i, cand.size - 1)])
-        return tok, self.logprob(logits, tok)
+            cand, zc = self.candidates(logits, history)
+            if cand.size == 1:
+                tok = int(cand[0])
+            else:
+                w = np.exp((zc - zc[0]) / self.p.temperature)
+                c = np.cumsum(w)
+                i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+                tok = int(cand[min(i, cand.size - 1)])
+        lse = self._logsumexp(logits)
+        top = []
+        if p.top_logprobs:
+            ids = np.argpartition(logits, -p.top_logprobs)[-p.top_logprobs:]
+            ids = ids[np.lexsort((ids, -logits[ids]))]
+            top = [(int(t), float(logits[t]) - lse) for t in ids]
+        return tok, float(logits[tok]) - lse, top
+
+    def _logsumexp(self, logits: np.ndarray) -> float:
+        return self._lse(logits) if self._lse is not None else logsumexp(logits)
 
     def logprob(self, logits: np.ndarray, tok: int) -> float:
         """log softmax(logits)[tok] under the model's raw distribution."""
-        if self._lse is not None:
-            return float(logits[tok]) - self._lse(logits)
-        return token_logprob(logits, tok)
+        return float(logits[tok]) - self._logsumexp(logits)
+
+
+def logsumexp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))) of one row."""
+    z = np.asarray(logits, dtype=np.float32)
+    m = float(z.max())
+    return m + math.log(float(np.exp(z - m, dtype=np.float32).sum(dtype=np.float64)))
 
 
 def token_logprob(logits: np.ndarray, tok: int) -> float:
     """log softmax(logits)[tok], computed in one pass."""
-    z = np.asarray(logits, dtype=np.float32)
-    m = float(z.max())
-    lse = m + math.log(float(np.exp(z - m, dtype=np.float32).sum(dtype=np.float64)))
-    return float(z[tok]) - lse
+    return float(np.float32(logits[tok])) - logsumexp(logits)

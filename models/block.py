@@ -48,12 +48,12 @@ class BlockWeights:
     post_ffn_norm: Any = None
 
 
-def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, cache):
+def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
     """One decoder block from backend operations (the reference for native blocks).
 
     Args:
         be: the backend; x: (n, dim) hidden states; positions: (n,) token positions;
-        cache: this layer's KV cache.
+        kv: this layer's LayerKV for the batch.
     Returns:
         The new hidden states (n, dim); ``x`` may be updated in place.
     """
@@ -66,7 +66,7 @@ def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, cache):
         k = be.head_norm(k, s.n_kv_heads, w.k_norm, s.norm_eps)
     q = be.rope(q, s.n_heads, positions, s.rope)
     k = be.rope(k, s.n_kv_heads, positions, s.rope)
-    o = be.attention(q, k, v, cache, positions, s.n_heads, s.attn_scale, s.window)
+    o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window)
     o = be.linear(o, [w.wo])[0]
     if w.post_attn_norm is not None:
         o = be.rms_norm(o, w.post_attn_norm, s.norm_eps)
@@ -79,9 +79,8 @@ def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, cache):
     return be.add(x, y)
 
 
-def run_block(be, x, w: BlockWeights, spec: BlockSpec, positions, cache):
+def run_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
     """The block on the backend's native path when it has one, else composed from ops."""
-    native = getattr(be, "decoder_block", None)
-    if native is not None:
-        return native(x, w, spec, positions, cache)
-    return compose_block(be, x, w, spec, positions, cache)
+    if be.fused_blocks:
+        return be.decoder_block(x, w, spec, positions, kv)
+    return compose_block(be, x, w, spec, positions, kv)

@@ -1,7 +1,10 @@
-"""What every architecture shares: reading `{arch}.*` metadata and placing GGUF tensors."""
+"""What every architecture shares: reading `{arch}.*` metadata and placing GGUF tensors on the
+backends a placement assigns them."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -39,12 +42,52 @@ def meta_float(meta: dict, key: str, default: float | None = None) -> float:
         raise ModelError(f"metadata {key!r} should be a number, got {v!r}") from None
 
 
-class WeightLoader:
-    """Hands a model its tensors from a GGUF file, uploaded to a backend, shape-checked."""
+@dataclass(frozen=True)
+class Placement:
+    """Which backend holds what: the token embedding, each decoder layer, the output head."""
+    embed: Any
+    layers: tuple
+    head: Any
 
-    def __init__(self, gguf_file, backend):
+    @classmethod
+    def single(cls, backend, n_layers: int) -> "Placement":
+        """Everything on one backend."""
+        return cls(backend, (backend,) * n_layers, backend)
+
+    def backends(self) -> list:
+        """Each distinct backend once, in placement order."""
+        out = []
+        for be in (self.embed, *self.layers, self.head):
+            if all(be is not b for b in out):
+                out.append(be)
+        return out
+
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+
+class WeightLoader:
+    """Hands a model its tensors from a GGUF file, each uploaded to the backend its placement
+    names (``blk.N.*`` to layer N's, ``output*`` to the head's, the rest to the embedding's),
+    shape-checked."""
+
+    def __init__(self, gguf_file, placement: Placement):
         self.file = gguf_file
-        self.backend = backend
+        self.placement = placement
+        self.backend = placement.embed  # the embedding's backend
+
+    def backend_for(self, name: str):
+        """The backend a tensor goes to."""
+        m = _LAYER_TENSOR.match(name)
+        if m:
+            i = int(m.group(1))
+            if i >= len(self.placement.layers):
+                raise ModelError(f"tensor {name!r} belongs to layer {i}, but the model has "
+                                 f"{len(self.placement.layers)} layers")
+            return self.placement.layers[i]
+        if name.startswith("output"):
+            return self.placement.head
+        return self.placement.embed
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -57,26 +100,32 @@ class WeightLoader:
             raise ModelError(f"tensor {name!r} has shape {info.shape}, expected {shape}")
         return info
 
-    def matrix(self, name: str, N: int, K: int):
-        """A weight W (N out, K in) uploaded for matmul."""
+    def matrix(self, name: str, N: int, K: int, head: bool = False):
+        """A weight W (N out, K in) uploaded for matmul; ``head``: to the output head's
+        backend whatever its name (a tied token embedding)."""
         info = self._info(name, (N, K))
+        be = self.placement.head if head else self.backend_for(name)
         done = None
-        if getattr(self.backend, "copies_weights", False):
+        if be.copies_weights:
             # The backend keeps its own copy: drop the file's pages as they are consumed.
             done = lambda a, b: self.file.release(name, a, b)  # noqa: E731
-        return self.backend.upload_matrix(name, info.type_name, self.file.raw(name), N, K, done)
+        return be.upload_matrix(name, info.type_name, self.file.raw(name), N, K, done)
 
     def vector(self, name: str, n: int):
-        """A float 1-D tensor (norm weight or bias) as float32."""
+        """A float 1-D tensor (norm weight or bias) as float32, on its backend."""
+        return self.backend_for(name).upload_vector(self.host_vector(name, n))
+
+    def host_vector(self, name: str, n: int):
+        """A float 1-D tensor as a float32 numpy array (tables the model computes from)."""
         info = self._info(name, (n,))
         if info.type_name not in ("F32", "F16", "BF16"):
             raise ModelError(f"tensor {name!r} has type {info.type_name}; expected a float type")
         from localllm.dequant import dequantize  # the reference decoder handles F16/BF16 exactly
-        return self.backend.upload_vector(dequantize(self.file.raw(name), info.type_name, (n,)))
+        return dequantize(self.file.raw(name), info.type_name, (n,))
 
     def optional_vector(self, name: str, n: int):
         return self.vector(name, n) if self.has(name) else None
 
     def embedding(self, name: str, vocab: int, dim: int):
         info = self._info(name, (vocab, dim))
-        return self.backend.upload_embedding(info.type_name, self.file.blocks(name), dim)
+        return self.placement.embed.upload_embedding(info.type_name, self.file.blocks(name), dim)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from localllm.backends.base import RopeSpec
 
-from .block import BlockSpec, BlockWeights, run_block
+from .block import BlockSpec, BlockWeights
 from .common import ModelError, WeightLoader, meta_float, meta_get, meta_int
+from .net import Net, PlacedLayer
 
 
 @dataclass(frozen=True)
@@ -89,26 +90,27 @@ def load_block(w: WeightLoader, i: int, a: ModelArgs) -> BlockWeights:
         bq=bq, bk=bk, bv=bv)
 
 
-class Model:
-    """A llama-family transformer placed on one backend."""
+class Model(Net):
+    """A llama-family transformer, its layers placed as the loader's placement says."""
 
     rope_neox = False   # GGUF llama weights are permuted for adjacent-pair rotation
     activation = "silu"
 
     def __init__(self, args: ModelArgs, w: WeightLoader):
         self.args = args
-        self.be = w.backend
+        self.be = w.placement.embed
+        self.head_be = w.placement.head
         a = args
         freq = None
         if w.has("rope_freqs.weight"):
-            freq = self.be.to_numpy(w.vector("rope_freqs.weight", a.n_rot // 2))
+            freq = w.host_vector("rope_freqs.weight", a.n_rot // 2)
         self.rope = RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq)
         self.tok_embd = w.embedding("token_embd.weight", a.vocab_size, a.dim)
-        self.blocks = [self.load_block(w, i) for i in range(a.n_layers)]
-        self.specs = [self.block_spec(i) for i in range(a.n_layers)]
+        self.layers = [PlacedLayer(i, w.placement.layers[i], self.load_block(w, i),
+                                   self.block_spec(i)) for i in range(a.n_layers)]
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
-        self.output = w.matrix(name, a.vocab_size, a.dim)
+        self.output = w.matrix(name, a.vocab_size, a.dim, head=True)
 
     def load_block(self, w: WeightLoader, i: int) -> BlockWeights:
         return load_block(w, i, self.args)
@@ -117,28 +119,3 @@ class Model:
         a = self.args
         return BlockSpec(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, self.rope,
                          1.0 / math.sqrt(a.head_dim), 0, self.activation)
-
-    def new_cache(self, ctx: int) -> list:
-        a = self.args
-        return [self.be.new_kv_cache(a.n_kv_heads, a.head_dim, ctx) for _ in range(a.n_layers)]
-
-    def embed(self, ids):
-        return self.be.embed(self.tok_embd, ids)
-
-    def forward(self, ids, positions, cache, logit_rows):
-        """Run tokens ``ids`` at ``positions`` through the model, filling ``cache``.
-
-        Args:
-            ids: token ids (n,); positions: their positions (n,).
-            cache: from new_cache(); logit_rows: indices into ids whose logits are wanted.
-        Returns:
-            Backend array (len(logit_rows), vocab_size), or None if no rows are wanted.
-        """
-        x = self.embed(ids)
-        for block, spec, c in zip(self.blocks, self.specs, cache):
-            x = run_block(self.be, x, block, spec, positions, c)
-        if len(logit_rows) == 0:
-            return None
-        x = self.be.select_rows(x, logit_rows)
-        x = self.be.rms_norm(x, self.out_norm, self.args.norm_eps)
-        return self.be.linear(x, [self.output])[0]

@@ -44,32 +44,37 @@ def _median(xs):
     return statistics.median(xs)
 
 
-def worker_localllm(path: str, ids: list[int], threads: int, reps: int) -> dict:
+def worker_localllm(path: str, ids: list[int], threads: int, reps: int, depth: int) -> dict:
     t0 = time.perf_counter()
     import localllm
-    m = localllm.load(path, threads=threads, ctx_size=1024, batch_size=512)
+    m = localllm.load(path, threads=threads, ctx_size=depth + 1024, batch_size=512)
     load_s = time.perf_counter() - t0
     m.logits(ids[:8])  # first call maps the compiled kernels in
     out = {"load_s": load_s}
+    base = m.new_sequence()
+    if depth:
+        base.feed(ids[:depth])  # the context every figure starts from
     for n in PROMPT_SIZES:
         times = []
         for _ in range(reps):
-            m.session.truncate(0)
+            seq = base.fork()  # shares the context's blocks: nothing is recomputed
             t = time.perf_counter()
-            m.session.feed(ids[:n])
+            seq.feed(ids[depth:depth + n])
             times.append(time.perf_counter() - t)
+            seq.release()
         out[f"pp{n}_tps"] = n / _median(times)
     # time to first token on a 256-token prompt, then greedy decode; medians of reps
     ttfts, tps = [], []
     for _ in range(reps):
-        m.session.truncate(0)
+        seq = base.fork()
         t = time.perf_counter()
-        chunks = m.generate(ids[:256], temperature=0, max_tokens=DECODE_TOKENS + 1,
-                            ignore_eos=True)
+        chunks = m.generate(ids[:depth + 256], seq=seq, temperature=0,
+                            max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
         next(iter(chunks))
         ttfts.append(time.perf_counter() - t)
         list(chunks)
-        tps.append(m.last_stats.generate_tps)
+        tps.append(chunks.stats.generate_tps)
+        seq.release()
     out["ttft_s"] = _median(ttfts)
     out["tg_tps"] = _median(tps)
     out["decode_tokens"] = m.last_stats.generated_tokens - 1
@@ -82,34 +87,40 @@ def decode_weight_bytes(m) -> int:
     """Bytes of weights one decode step reads: every layer matrix plus the output head."""
     net = m.net
     total = net.output.nbytes
-    for b in net.blocks:
+    for layer in net.layers:
+        b = layer.weights
         for w in (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down):
             total += w.nbytes
     return int(total)
 
 
-def worker_llama(path: str, ids: list[int], threads: int, reps: int) -> dict:
+def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int) -> dict:
     import numpy as np
     t0 = time.perf_counter()
     import llama_cpp
-    llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+    llm = llama_cpp.Llama(path, n_ctx=depth + 1024, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, n_ubatch=512, verbose=False)
     load_s = time.perf_counter() - t0
     out = {"load_s": load_s}
     llm.eval(ids[:8])
+
+    def at_depth():
+        llm.reset()
+        if depth:
+            llm.eval(ids[:depth])
     for n in PROMPT_SIZES:
         times = []
         for _ in range(reps):
-            llm.reset()
+            at_depth()
             t = time.perf_counter()
-            llm.eval(ids[:n])
+            llm.eval(ids[depth:depth + n])
             times.append(time.perf_counter() - t)
         out[f"pp{n}_tps"] = n / _median(times)
     ttfts, tps = [], []
     for _ in range(reps):
-        llm.reset()
+        at_depth()
         t = time.perf_counter()
-        llm.eval(ids[:256])
+        llm.eval(ids[depth:depth + 256])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         ttfts.append(time.perf_counter() - t)
         t = time.perf_counter()
@@ -159,14 +170,14 @@ def bench_ids(path: str, n: int) -> list[int]:
 
 
 def run_worker(python: str, engine: str, path: str, ids: list[int], threads: int, reps: int,
-               env_extra: dict | None = None) -> dict | None:
+               depth: int = 0, env_extra: dict | None = None) -> dict | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
         ids_file = f.name
     env = {**os.environ, **(env_extra or {})}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [python, __file__, "--worker", engine, path, "--ids", ids_file,
-           "--threads", str(threads), "--reps", str(reps)]
+           "--threads", str(threads), "--reps", str(reps), "--depth", str(depth)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
@@ -269,6 +280,8 @@ def main(argv=None) -> int:
     ap.add_argument("--oneshot", action="store_true",
                     help="also time whole `llm run -n 32` processes (cold and warm compile cache)")
     ap.add_argument("--bandwidth", action="store_true", help="also measure the machine's read bandwidth")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="tokens of context already processed before each prompt and decode figure")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -279,7 +292,7 @@ def main(argv=None) -> int:
     if args.worker:
         ids = json.loads(Path(args.ids).read_text())
         fn = worker_localllm if args.worker == "localllm" else worker_llama
-        print(json.dumps(fn(args.models[0], ids, args.threads, args.reps)))
+        print(json.dumps(fn(args.models[0], ids, args.threads, args.reps, args.depth)))
         return 0
     if args.oneshot_llama:
         oneshot_llama(args.oneshot_llama, args.threads, args.prompt)
@@ -296,12 +309,14 @@ def main(argv=None) -> int:
         report["machine"]["read_gbps"] = machine_read_bandwidth()
     for name in args.models:
         path = str(resolve_model_path(name))
-        ids = bench_ids(path, max(PROMPT_SIZES))
+        ids = bench_ids(path, args.depth + max(PROMPT_SIZES))
         ours_runs, ref_runs = [], []
         for _ in range(args.rounds):  # alternate, so drifts in machine speed hit both
-            ours_runs.append(run_worker(sys.executable, "localllm", path, ids, args.threads, args.reps))
+            ours_runs.append(run_worker(sys.executable, "localllm", path, ids, args.threads,
+                                        args.reps, args.depth))
             if llama_python:
-                ref_runs.append(run_worker(llama_python, "llama", path, ids, args.threads, args.reps))
+                ref_runs.append(run_worker(llama_python, "llama", path, ids, args.threads,
+                                           args.reps, args.depth))
         entry = {"localllm": _median_run(ours_runs), "llama_cpp": _median_run(ref_runs),
                  "rounds": args.rounds}
         if args.oneshot:
@@ -315,7 +330,7 @@ def main(argv=None) -> int:
         return 0
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}; "
-          f"medians of {args.rounds} alternating round(s)")
+          f"medians of {args.rounds} alternating round(s); context depth {args.depth}")
     if "read_gbps" in m:
         print(f"measured read bandwidth: {m['read_gbps']:.1f} GB/s")
     for name, e in report["models"].items():

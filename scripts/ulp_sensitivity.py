@@ -46,15 +46,16 @@ def greedy_agreement(m, prompts, nudged_rows: str) -> float:
     for prompt in prompts:
         cont = [t for c in m.generate(prompt, temperature=0, max_tokens=32, ignore_eos=True)
                 for t in c.tokens]
-        m.session.truncate(0)
+        seq = m.new_sequence()
         if nudged_rows == "continuation":
-            m.session.feed(prompt)
+            seq.feed(prompt)
             undo = nudge(m)
         else:
             undo = nudge(m)
-            m.session.feed(prompt[:-1])
+            seq.feed(prompt[:-1])
             cont = [prompt[-1]] + cont
-        z = m.session.feed(cont[:-1], all_logits=True)
+        z = seq.feed(cont[:-1], all_logits=True)
+        seq.release()
         undo()
         hits += int((z.argmax(1) == np.array(cont[1:])).sum())
         total += len(cont) - 1

@@ -95,13 +95,14 @@ def test_logits_bit_identical_however_the_tokens_are_batched(models, name):
     whole = m.logits(ids)
     rng = np.random.default_rng(7)
     for sizes in ([1] * len(ids), [7] * 13, list(rng.integers(1, 30, size=20))):
-        m.session.truncate(0)
+        seq = m.new_sequence()
         parts, pos = [], 0
         for size in sizes:
             if pos >= len(ids):
                 break
-            parts.append(m.session.feed(ids[pos:pos + size], all_logits=True))
+            parts.append(seq.feed(ids[pos:pos + size], all_logits=True))
             pos += size
+        seq.release()
         chunked = np.concatenate(parts)
         assert chunked.shape == whole.shape
         assert np.array_equal(chunked.view(np.uint32), whole.view(np.uint32)), sizes[:5]
@@ -162,8 +163,8 @@ def test_bad_settings_are_errors(models, smollm_path):
         m.generate("x", top_p=1.5)
     with pytest.raises(TypeError):
         localllm.load(smollm_path, context=12)
-    with pytest.raises(EngineError):
-        m.session.feed([m.vocab_size + 5])
+    with pytest.raises(EngineError), m.new_sequence() as seq:
+        seq.feed([m.vocab_size + 5])
 
 
 @pytest.mark.parametrize("name", ["smollm", "gemma"])
@@ -174,12 +175,12 @@ def test_fused_block_matches_op_by_op_composition(models, name, smollm_path, gem
     ids = load_fixture(name)["ids"][:40]
     fused = models[name].logits(ids)
     ref = localllm.load(path, ctx_size=1024, threads=2)
-    ref.backend.decoder_block = None  # forces models.block.compose_block
+    ref.backend.fused_blocks = False  # forces models.block.compose_block
     composed = ref.logits(ids)
     assert np.array_equal(fused.view(np.uint32), composed.view(np.uint32))
     # one token at a time through the op path equals the fused prompt too
-    ref.session.truncate(0)
-    steps = np.concatenate([ref.session.feed([t], all_logits=True) for t in ids[:12]])
+    with ref.new_sequence() as seq:
+        steps = np.concatenate([seq.feed([t], all_logits=True) for t in ids[:12]])
     assert np.array_equal(steps.view(np.uint32), fused[:12].view(np.uint32))
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import localllm
+from localllm.backends.base import LayerKV
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ops"
 
@@ -59,7 +60,7 @@ def rms_rel(ours, ref):
 def block_steps(m, fx, layer):
     """(name, ours, llama.cpp's) for each step of ``layer``, each fed llama.cpp's input."""
     be, net = m.backend, m.net
-    w, s = net.blocks[layer], net.specs[layer]
+    w, s = net.layers[layer].weights, net.layers[layer].spec
     rows = fx["rows"]
     n = len(fx["ids"])
 
@@ -94,9 +95,13 @@ def block_steps(m, fx, layer):
     # Attention over all n keys/values; only the stored rows have llama.cpp's queries.
     q_all = np.zeros((n, g("q_rope").shape[1]), np.float32)
     q_all[rows] = g("q_rope")
-    cache = net.new_cache(256)[layer]
-    o = be.attention(q_all, g("k_rope"), g("v"), cache, np.arange(n), s.n_heads,
-                     s.attn_scale, s.window)
+    with m.new_sequence() as seq:
+        m.kv.cache.reserve(seq.kv, n)  # blocks for positions 0..n-1
+        placed = net.layers[layer]
+        kv = LayerKV(placed.pages, np.array([seq.kv.tables[placed.group]], np.int32),
+                     np.zeros(n, np.int32), m.kv.block_size)
+        o = be.attention(q_all, g("k_rope"), g("v"), kv, np.arange(n), s.n_heads,
+                         s.attn_scale, s.window)
     steps.append(("attention", np.asarray(o)[rows], g("attn")))
     steps.append(("wo", be.linear(g("attn"), [w.wo])[0], g("attn_out")))
     residual("attn", "x", "attn_out", w.post_attn_norm, "attn_post_norm", "ffn_inp")
@@ -132,7 +137,7 @@ def test_a_wrong_rope_base_is_caught(models):
     import dataclasses
     m = models["gemma"]
     fx = dict(np.load(FIXTURES / "gemma_ops.npz"))
-    s = m.net.specs[5]
+    s = m.net.layers[5].spec
     rope = dataclasses.replace(s.rope, theta=s.rope.theta * 1.01)
     ours = m.backend.rope(fx["5/k_norm"], s.n_kv_heads, fx["rows"], rope)
     assert rms_rel(ours, fx["5/k_rope"][fx["rows"]]) > 100 * RMS_REL_MAX

@@ -15,10 +15,21 @@ def logits(rng, n=50):
 
 def test_greedy_picks_the_argmax():
     z = logits(np.random.default_rng(0))
-    tok, lp = Sampler(SamplingParams(temperature=0), len(z)).sample(z, [])
+    tok, lp, top = Sampler(SamplingParams(temperature=0), len(z)).sample(z, [])
     assert tok == int(np.argmax(z))
     assert lp == pytest.approx(token_logprob(z, tok))
     assert lp < 0
+    assert top == []
+
+
+def test_top_logprobs_are_the_most_likely_tokens_in_order():
+    z = logits(np.random.default_rng(5))
+    z[7] = z[9] = z.max() + 1  # a tie: the lower id first
+    _, _, top = Sampler(SamplingParams(temperature=0, top_logprobs=5), len(z)).sample(z, [])
+    assert [t for t, _ in top] == [7, 9] + list(np.argsort(-z)[2:5])
+    assert all(lp == pytest.approx(token_logprob(z, t)) for t, lp in top)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21).validate()
 
 
 def test_top_k_1_is_greedy_at_any_temperature():

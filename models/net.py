@@ -1,0 +1,75 @@
+"""A loaded model as placed layers: each decoder layer knows its backend, its weights, its
+BlockSpec and its KV pages; the embedding and the output head sit on backends of their own.
+``forward`` runs one batch of tokens (from one or several sequences) through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from localllm.backends.base import LayerKV
+
+from .block import BlockSpec, BlockWeights, run_block
+
+
+@dataclass
+class PlacedLayer:
+    """One decoder layer where it runs."""
+    index: int
+    backend: Any
+    weights: BlockWeights
+    spec: BlockSpec
+    group: int = 0       # KV cache group: layers sharing one block table per sequence
+    pages: Any = None    # its KV pages on ``backend`` (set when the cache is built)
+
+
+@dataclass
+class GroupBatch:
+    """One cache group's part of a forward pass: the block tables of the batch's sequences
+    and each token's row in them (backend-neutral numpy int32)."""
+    tables: Any
+    row_seq: Any
+    block_size: int
+
+
+class Net:
+    """The layers and ends of a model. Architectures set ``args``, ``layers``, ``tok_embd``,
+    ``out_norm``, ``output`` and the backends ``be`` (embedding) and ``head_be``."""
+
+    args: Any
+    layers: list[PlacedLayer]
+    be: Any
+    head_be: Any
+
+    def embed(self, ids):
+        """Hidden states of the tokens, on the embedding's backend."""
+        return self.be.embed(self.tok_embd, ids)
+
+    def forward(self, ids, positions, groups: Sequence[GroupBatch], logit_rows):
+        """Run tokens ``ids`` at ``positions`` through every layer, writing their KV.
+
+        Args:
+            ids: int64 (n,) token ids; positions: int64 (n,) their positions in their sequences.
+            groups: per cache group, the batch's block tables (see GroupBatch).
+            logit_rows: indices into ids whose logits are wanted.
+        Returns:
+            float32 numpy (len(logit_rows), vocab_size), or None if no rows are wanted.
+        """
+        x = self.embed(ids)
+        be = self.be
+        for layer in self.layers:
+            if layer.backend is not be:  # activations cross devices only at a boundary
+                x = layer.backend.from_numpy(be.to_numpy(x))
+                be = layer.backend
+            g = groups[layer.group]
+            kv = LayerKV(layer.pages, g.tables, g.row_seq, g.block_size)
+            x = run_block(be, x, layer.weights, layer.spec, positions, kv)
+        if len(logit_rows) == 0:
+            return None
+        if self.head_be is not be:
+            x = self.head_be.from_numpy(be.to_numpy(x))
+        hb = self.head_be
+        x = hb.select_rows(x, logit_rows)
+        x = hb.rms_norm(x, self.out_norm, self.args.norm_eps)
+        return hb.to_numpy(hb.linear(x, [self.output])[0])
