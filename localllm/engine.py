@@ -239,6 +239,10 @@ class Model:
         """Blocks used, cached and free, and the bytes per token of the KV types."""
         return self.kv.stats()
 
+    def forget_cached(self) -> None:
+        """Drop the cached prefixes of finished requests (the next prompts run in full)."""
+        self.kv.cache.forget_cached()
+
     def step(self, items: list[tuple[Sequence, list[int], bool | None]]) -> list:
         """One forward pass over several sequences' new tokens (continuous batching, a
         speculative verification): see sequence.Runner.step."""

@@ -306,6 +306,12 @@ class PagedCache:
             if g.max_cached >= 0:
                 g.pool.evict_cached(g.max_cached)
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix (blocks held by sequences are untouched)."""
+        for g in self.groups:
+            g.pool.evict_cached(0)
+        self.partials.clear()
+
     # ---- batches and statistics ---------------------------------------------------
 
     def held_blocks(self, st: SeqKV, group: int) -> int:
