@@ -7,6 +7,7 @@ one line starting with ``error:`` and a non-zero exit code.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -40,6 +41,28 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", default=None, help="model cache directory")
     p.add_argument("--no-weight-cache", action="store_true",
                    help="repack weights on every load instead of keeping them on disk")
+    kv = "KV cache type: f16 (default), bf16, q8_0, q4_0 or fp8"
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help=kv + " (keys)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help=kv + " (values)")
+    p.add_argument("--kv-block-size", type=_positive_int, default=16,
+                   help="tokens per KV block, a multiple of 16 (default 16)")
+    p.add_argument("--kv-pool-mb", type=float, default=0,
+                   help="KV cache limit in MB (default: two contexts, as memory allows)")
+
+
+def _model_settings(args) -> dict:
+    """The load settings the model options give."""
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.kv_pool_mb < 0:
+        raise ValueError(f"--kv-pool-mb must be >= 0, got {args.kv_pool_mb:g}")
+    return dict(ctx_size=args.ctx_size, threads=args.threads, batch_size=args.batch_size,
+                chat_template=args.chat_template, models_dir=args.models_dir,
+                weight_cache=not args.no_weight_cache, ctk=args.cache_type_k,
+                ctv=args.cache_type_v, kv_block_size=args.kv_block_size,
+                kv_pool_mb=args.kv_pool_mb)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -73,8 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no chat template: continue the text (the default for models whose "
                           "file has no chat template, unless --chat-template or --system)")
     run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
+    run.add_argument("--context-shift", action="store_true",
+                     help="when the chat does not fit, drop its oldest turns (said on stderr)")
     _add_model_options(run)
     _add_sampling_options(run)
+
+    ppl = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp measures it")
+    ppl.add_argument("model", nargs="?", default=None, help="GGUF path or known model name")
+    ppl.add_argument("-f", "--file", required=True, help="the text to score")
+    ppl.add_argument("--kv-compare", default=None, metavar="TYPE",
+                     help="also score with this KV type (keys and values) against f16")
+    ppl.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_model_options(ppl)
 
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name")
@@ -132,14 +165,9 @@ def cmd_run(args) -> int:
     sampling = _sampling(args)
     from .sampling import SamplingParams
     SamplingParams(**sampling).validate()
-    if args.ctx_size < 0:
-        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    settings = _model_settings(args)
     t0 = time.perf_counter()
-    model = load(args.model, ctx_size=args.ctx_size, threads=args.threads,
-                 batch_size=args.batch_size, chat_template=args.chat_template,
-                 models_dir=args.models_dir, weight_cache=not args.no_weight_cache)
+    model = load(args.model, **settings)
     load_s = time.perf_counter() - t0
     # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
@@ -152,23 +180,69 @@ def cmd_run(args) -> int:
         if args.system:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": prompt})
-        stream = model.chat(messages, **sampling)
+        stream = model.chat(messages, context_shift=args.context_shift, **sampling)
     out = sys.stdout
+    dropped = 0
     for piece in stream:
+        if stream.stats.dropped_messages > dropped:
+            dropped = stream.stats.dropped_messages
+            print(f"context shift: dropped the {dropped} oldest message(s) to fit the "
+                  f"{model.ctx}-token context", file=sys.stderr)
         out.write(piece)
         out.flush()
     out.write("\n")
     out.flush()
     if args.verbose:
-        s = model.last_stats
+        s, kv = stream.stats, model.kv_stats()
+        mb = 1 << 20
         print(f"load: {load_s:.2f} s ({model.path.name}, {model.backend.name}, ctx {model.ctx})\n"
               f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s "
-              f"({s.prompt_tps:.1f} tok/s)\n"
+              f"({s.prompt_tps:.1f} tok/s), {s.cached_tokens} cached\n"
               f"generated: {s.generated_tokens} tokens in {s.generate_seconds:.3f} s "
               f"({s.generate_tps:.1f} tok/s), finish: {s.finish_reason}\n"
               f"time to first token: {s.time_to_first_token:.3f} s\n"
               f"seed: {s.seed}\n"
+              f"kv cache: {kv.k_type}/{kv.v_type}, {kv.bytes_per_token} bytes per token, "
+              f"blocks of {kv.block_size}: {kv.blocks_used} used, {kv.blocks_cached} cached, "
+              f"{kv.blocks_free} free of {kv.blocks_total} "
+              f"({kv.blocks_total * kv.block_size * kv.bytes_per_token / mb:.0f} MB limit)\n"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from .engine import load
+    from .perplexity import perplexity
+    with open(args.file, encoding="utf-8") as f:
+        text = f.read()
+    settings = _model_settings(args)
+    if not args.ctx_size:
+        settings["ctx_size"] = 512  # llama.cpp's perplexity default
+    model = load(args.model, **settings)
+    compare = [model.with_kv(args.kv_compare, args.kv_compare)] if args.kv_compare else []
+    if compare and (model.kv.k_type, model.kv.v_type) != ("f16", "f16"):
+        raise ValueError("--kv-compare compares against f16: leave -ctk/-ctv at f16")
+    ids = model.tokenize(text)
+    print(f"{model.path.name}: {len(ids)} tokens, {len(ids) // model.ctx} windows of "
+          f"{model.ctx}, KV {model.kv.k_type}/{model.kv.v_type}"
+          + (f", compared with {args.kv_compare}" if compare else ""), file=sys.stderr)
+
+    def progress(done, total, tps, ppl):
+        print(f"\r[{done}/{total}] {tps:.0f} tok/s, PPL so far {ppl:.4f}", end="",
+              file=sys.stderr, flush=True)
+    r = perplexity(model, ids, model.ctx, compare, progress)
+    print(file=sys.stderr)
+    if args.json:
+        import json
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"Final estimate: PPL = {r['ppl']:.4f} +/- {r['ppl_err']:.5f} "
+          f"({r['tokens_scored']} tokens in {r['windows']} windows, {r['seconds']:.1f} s)")
+    for c in r["compare"]:
+        print(f"KV {c['kv_type']}: PPL = {c['ppl']:.4f} +/- {c['ppl_err']:.5f}, "
+              f"dPPL = {c['delta_ppl']:+.4f} ({100 * math.expm1(c['ln_ppl_ratio']):+.2f}% "
+              f"+/- {100 * c['ln_ppl_ratio_err']:.2f}%), mean KL = {c['mean_kl']:.6f} "
+              f"+/- {c['mean_kl_err']:.6f}, top-1 agreement {100 * c['top1_agreement']:.2f}%")
     return 0
 
 
@@ -232,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
-    handler = {"run": cmd_run, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
+    handler = {"run": cmd_run, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect,
+               "perplexity": cmd_perplexity}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ the blocks of any earlier prompt that shares a prefix.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import time
@@ -54,6 +55,13 @@ class LoadSettings:
     ctv: str = "f16"                   # ... and of values (see KV_TYPES)
     kv_block_size: int = 16            # tokens per KV block (a multiple of 16)
     kv_pool_mb: float = 0              # KV pool limit; 0: two contexts, as memory allows
+
+
+def _check_kv_types(ctk: str, ctv: str) -> None:
+    for name, t in (("ctk", ctk), ("ctv", ctv)):
+        if t not in KV_TYPES:
+            raise EngineError(f"unknown KV type {t!r} for {name} (choose from "
+                              f"{', '.join(KV_TYPES)})")
 
 
 def physical_cores() -> int:
@@ -180,10 +188,7 @@ class Model:
         ctx = s.ctx_size or min(DEFAULT_CTX, args.context_length)
         if ctx <= 0:
             raise EngineError(f"context size must be positive, got {ctx}")
-        for name, t in (("ctk", s.ctk), ("ctv", s.ctv)):
-            if t not in KV_TYPES:
-                raise EngineError(f"unknown KV type {t!r} for {name} (choose from "
-                                  f"{', '.join(KV_TYPES)})")
+        _check_kv_types(s.ctk, s.ctv)  # before any work
         self.backend = _make_backend(s)
         per_token = kv_bytes_per_token(args, self.backend, s.ctk, s.ctv, s.kv_block_size)
         check_memory(self.file, args, ctx, backend=self.backend, ctk=s.ctk, ctv=s.ctv)
@@ -198,12 +203,9 @@ class Model:
         self.args = self.net.args
         self.vocab_size = self.args.vocab_size
         self.ctx = ctx
-        try:
-            self.kv = KVSpace(self.net, s.ctk, s.ctv, s.kv_block_size, n_pool,
-                              file_identity(self.path))
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        self._runner = Runner(self.net, self.kv, ctx, s.batch_size, self.vocab_size)
+        self._pool_tokens = n_pool
+        self._identity = file_identity(self.path)
+        self.kv, self._runner = self._new_cache(s.ctk, s.ctv)
         self.last_stats = GenerationStats()
         self.load_seconds = time.perf_counter() - t0
 
@@ -230,6 +232,24 @@ class Model:
         return ids
 
     # ---- sequences and the cache ------------------------------------------------------
+
+    def _new_cache(self, ctk: str, ctv: str) -> tuple[KVSpace, Runner]:
+        _check_kv_types(ctk, ctv)
+        try:
+            space = KVSpace(self.net, ctk, ctv, self.settings.kv_block_size, self._pool_tokens,
+                            self._identity)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        return space, Runner(self.net, space, self.ctx, self.settings.batch_size,
+                             self.vocab_size)
+
+    def with_kv(self, ctk: str, ctv: str) -> "Model":
+        """The same loaded model (weights, tokenizer, template shared) over a cache of its
+        own in other KV types, e.g. to compare their quality in one process."""
+        other = copy.copy(self)
+        other.kv, other._runner = self._new_cache(ctk, ctv)
+        other.last_stats = GenerationStats()
+        return other
 
     def new_sequence(self) -> Sequence:
         """An empty per-request state (tokens and block tables) on this model."""

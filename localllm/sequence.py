@@ -14,7 +14,7 @@ import numpy as np
 from .backends.base import KVLayout
 from .kv.blocks import BlockPool, PoolExhausted, PoolStats
 from .kv.cache import CacheGroup, PagedCache, SeqKV
-from .models.net import GroupBatch, Net
+from .models.net import KVBatch, Net
 
 
 class EngineError(ValueError):
@@ -53,10 +53,11 @@ class KVSpace:
         for layer in net.layers:
             self.group_layers[layer.group].append(layer)
         groups = []
+        self.pages: list = [None] * len(net.layers)  # per layer, on its backend
         for (window, n_kv, hd), gi in keys.items():
             layout = KVLayout(n_kv, hd, block_size, k_type, v_type)
             for layer in self.group_layers[gi]:
-                layer.pages = layer.backend.new_kv_pages(layout, n_blocks)
+                self.pages[layer.index] = layer.backend.new_kv_pages(layout, n_blocks)
             key = hashlib.blake2b(model_key + repr((gi, window, n_kv, hd, block_size, k_type,
                                                     v_type)).encode(), digest_size=16).digest()
             # A sliding group keeps few cached blocks beyond its windows: its memory stays
@@ -65,13 +66,13 @@ class KVSpace:
             groups.append(CacheGroup(gi, [la.index for la in self.group_layers[gi]], window,
                                      BlockPool(n_blocks, block_size), key, cap))
         self.cache = PagedCache(groups, block_size, self._copy, max_checkpoints)
-        self.block_bytes = [sum(la.backend.kv_block_nbytes(la.pages.layout) for la in g)
-                            for g in self.group_layers]
+        self.block_bytes = [sum(la.backend.kv_block_nbytes(self.pages[la.index].layout)
+                                for la in g) for g in self.group_layers]
         self.bytes_per_token = sum(self.block_bytes) // block_size
 
     def _copy(self, group: int, src: int, dst: int) -> None:
         for layer in self.group_layers[group]:
-            layer.backend.copy_kv_block(layer.pages, src, dst)
+            layer.backend.copy_kv_block(self.pages[layer.index], src, dst)
 
     def stats(self) -> KVStats:
         per = self.cache.stats()
@@ -218,14 +219,15 @@ class Runner:
         positions = np.concatenate([np.arange(len(s), len(s) + n, dtype=np.int64)
                                     for (s, _, _), n in zip(items, lens)])
         row_seq = np.repeat(np.arange(len(items), dtype=np.int32), lens)
-        groups = []
+        tables = []
         for g in cache.groups:
             width = max(len(s.kv.tables[g.index]) for s, _, _ in items)
-            tables = np.full((len(items), width), -1, np.int32)
+            tab = np.full((len(items), width), -1, np.int32)
             for r, (s, _, _) in enumerate(items):
-                tab = s.kv.tables[g.index]
-                tables[r, :len(tab)] = tab
-            groups.append(GroupBatch(tables, row_seq, cache.block_size))
+                t = s.kv.tables[g.index]
+                tab[r, :len(t)] = t
+            tables.append(tab)
+        kv = KVBatch(self.space.pages, tables, row_seq, cache.block_size)
         rows, spans, at = [], [], 0
         for (_, _, want), n in zip(items, lens):
             first = len(rows)
@@ -235,7 +237,7 @@ class Runner:
                 rows.append(at + n - 1)
             spans.append((first, len(rows)))
             at += n
-        logits = self.net.forward(flat, positions, groups, rows)
+        logits = self.net.forward(flat, positions, kv, rows)
         out = []
         for (seq, ids, want), (a, b) in zip(items, spans):
             seq._tokens.extend(ids)

@@ -1,6 +1,7 @@
 """A loaded model as placed layers: each decoder layer knows its backend, its weights, its
-BlockSpec and its KV pages; the embedding and the output head sit on backends of their own.
-``forward`` runs one batch of tokens (from one or several sequences) through them.
+BlockSpec and its KV group; the embedding and the output head sit on backends of their own.
+``forward`` runs one batch of tokens (from one or several sequences) through them, with the
+KV pages (on each layer's backend) of the cache it is given.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ class PlacedLayer:
     weights: BlockWeights
     spec: BlockSpec
     group: int = 0       # KV cache group: layers sharing one block table per sequence
-    pages: Any = None    # its KV pages on ``backend`` (set when the cache is built)
 
 
 @dataclass
-class GroupBatch:
-    """One cache group's part of a forward pass: the block tables of the batch's sequences
-    and each token's row in them (backend-neutral numpy int32)."""
-    tables: Any
+class KVBatch:
+    """The KV side of a forward pass: each layer's pages (on its backend, by layer index),
+    the batch's block tables per cache group, and each token's row in them (numpy int32)."""
+    pages: Sequence[Any]
+    tables: Sequence[Any]
     row_seq: Any
     block_size: int
 
@@ -46,12 +47,12 @@ class Net:
         """Hidden states of the tokens, on the embedding's backend."""
         return self.be.embed(self.tok_embd, ids)
 
-    def forward(self, ids, positions, groups: Sequence[GroupBatch], logit_rows):
+    def forward(self, ids, positions, kv: KVBatch, logit_rows):
         """Run tokens ``ids`` at ``positions`` through every layer, writing their KV.
 
         Args:
             ids: int64 (n,) token ids; positions: int64 (n,) their positions in their sequences.
-            groups: per cache group, the batch's block tables (see GroupBatch).
+            kv: the pages and block tables the layers read and write.
             logit_rows: indices into ids whose logits are wanted.
         Returns:
             float32 numpy (len(logit_rows), vocab_size), or None if no rows are wanted.
@@ -62,9 +63,9 @@ class Net:
             if layer.backend is not be:  # activations cross devices only at a boundary
                 x = layer.backend.from_numpy(be.to_numpy(x))
                 be = layer.backend
-            g = groups[layer.group]
-            kv = LayerKV(layer.pages, g.tables, g.row_seq, g.block_size)
-            x = run_block(be, x, layer.weights, layer.spec, positions, kv)
+            lkv = LayerKV(kv.pages[layer.index], kv.tables[layer.group], kv.row_seq,
+                          kv.block_size)
+            x = run_block(be, x, layer.weights, layer.spec, positions, lkv)
         if len(logit_rows) == 0:
             return None
         if self.head_be is not be:
