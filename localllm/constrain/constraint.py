@@ -9,8 +9,9 @@ import numpy as np
 
 from localllm.kernels import grammar as kg
 
-from .grammar import CompiledGrammar
+from .grammar import CompiledGrammar, Limits
 from .json_grammar import JsonGrammar
+from .schema import compile_schema
 from .vocab import TokenVocab
 
 _MASK_CACHE = 8  # masks kept per grammar, by state (a string's content repeats one state)
@@ -58,7 +59,19 @@ class TokenConstraint:
         """Returns: a constraint to one JSON object (any keys and values, nested at most
         ``max_depth`` deep), without leading or trailing whitespace."""
         g = JsonGrammar(max_depth=max_depth)
-        return cls(g.compile(g.object_of(g.member(g.string, g.value(1)))), vocab)
+        return cls(g.compile(g.object_of(g.member([g.string], g.value(1)))), vocab)
+
+    @classmethod
+    def json_schema(cls, schema, vocab: TokenVocab, limits: Limits | None = None,
+                    max_depth: int = 32) -> "TokenConstraint":
+        """Returns: a constraint to one JSON value valid under ``schema`` (see
+        localllm.constrain.schema for what is supported), without surrounding whitespace.
+
+        Raises:
+            GrammarError: the schema uses a keyword or form that is not supported, or is too
+                large; the message names it.
+        """
+        return cls(compile_schema(schema, limits, max_depth), vocab)
 
     def _walk(self, tok: int) -> bool:
         """Walks a token's bytes from the current state; the state after it is left in the
@@ -81,6 +94,13 @@ class TokenConstraint:
         s, _, need, _ = self._state
         st = self._sh.store
         return need == 0 and st.set_buf[st.set_off[s]] == kg.ACCEPT
+
+    def must_end(self) -> bool:
+        """Returns: whether the value is complete and nothing but an end token may follow."""
+        s, _, need, _ = self._state
+        st = self._sh.store
+        a, b = st.set_off[s], st.set_off[s + 1]
+        return self._done or (need == 0 and b - a == 1 and st.set_buf[a] == kg.ACCEPT)
 
     def allowed(self, token_id: int) -> bool:
         """Returns: whether ``token_id`` may come next (one token's bytes are walked)."""

@@ -109,6 +109,17 @@ Element = Union[Chars, Ref]
 Alt = list  # a sequence of Elements
 
 
+def char_trie(texts: Iterable[str]) -> dict:
+    """Returns: nested dicts by character; key None marks where a text ends."""
+    trie: dict = {}
+    for t in texts:
+        node = trie
+        for c in t:
+            node = node.setdefault(c, {})
+        node[None] = True
+    return trie
+
+
 def lit(text: str) -> list[Element]:
     """Returns: the elements matching exactly ``text``."""
     return [Chars(((ord(c), ord(c)),)) for c in text]
@@ -180,26 +191,44 @@ class Grammar:
             return alts[0][0]
         return self.rule(alts, name)
 
-    def literal_set(self, texts: Iterable[str], name: str = "") -> Element:
-        """Returns: an element matching exactly one of ``texts``, as a character trie so that
-        shared prefixes are one path (deterministic, one stack while matching)."""
-        trie: dict = {}
-        for t in texts:
-            node = trie
-            for c in t:
-                node = node.setdefault(c, {})
-            node[None] = True
+    def literal_set(self, texts: Iterable[str], name: str = "") -> list[Element]:
+        """Returns: elements matching exactly one of ``texts``, as a character trie so that
+        shared prefixes are one path (deterministic: one stack while matching)."""
+        texts = list(texts)
+        if sum(map(len, texts)) > self.limits.max_elements:
+            raise GrammarError(f"the grammar is too large (literals of more than "
+                               f"{self.limits.max_elements} characters); simplify the schema")
+        trie = char_trie(texts)
         if not trie:
             raise GrammarError("an empty set of literals")
 
-        def build(node: dict) -> list[Alt]:
-            alts: list[Alt] = [[]] if None in node else []
-            for c, child in sorted((k, v) for k, v in node.items() if k is not None):
-                rest = build(child)
-                tail = rest[0] if len(rest) == 1 else [self.rule(rest, name)]
-                alts.append(lit(c) + tail)
-            return alts
-        return self.choice(build(trie), name)
+        def alts(node: dict, done: dict) -> list[Alt]:
+            return ([[]] if None in node else []) + [
+                lit(c) + done[id(child)] for c, child in sorted(
+                    (k, v) for k, v in node.items() if k is not None)]
+        return self.trie_rules(trie, alts, name)
+
+    def trie_rules(self, trie: dict, alts, name: str = "") -> list[Element]:
+        """Builds a character trie bottom up, without recursion (literals may be long).
+
+        Args:
+            trie: nested dicts by character; key None marks the end of a text.
+            alts: alts(node, done) -> the node's alternatives, given done[id(child)], the
+                elements of each child.
+        Returns:
+            the root's elements: its one alternative inline, or a call of a rule.
+        """
+        done: dict[int, list[Element]] = {}
+        stack = [(trie, False)]
+        while stack:
+            node, ready = stack.pop()
+            if not ready:
+                stack.append((node, True))
+                stack.extend((child, False) for k, child in node.items() if k is not None)
+                continue
+            a = alts(node, done)
+            done[id(node)] = a[0] if len(a) == 1 else [self.rule(a, name)]
+        return done[id(trie)]
 
     # ------------------------------------------------------------------ compile
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from functools import cached_property
 
-from .grammar import MAX_CP, Chars, Element, Grammar, GrammarError, Limits, Ref, lit, ranges
+from .grammar import (MAX_CP, Chars, Element, Grammar, GrammarError, Limits, Ref, char_trie,
+                      contains, lit, ranges, subtract)
 
 DIGIT = ((0x30, 0x39),)
 NONZERO = ((0x31, 0x39),)
@@ -16,7 +17,7 @@ HEX = ranges([(0x30, 0x39), (0x41, 0x46), (0x61, 0x66)])
 PLAIN = ranges([(0x20, 0x21), (0x23, 0x5B), (0x5D, MAX_CP)])
 SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 MAX_INT_DIGITS = 16   # integer part of an unbounded number, as llama.cpp's JSON grammar
-MAX_FRAC_DIGITS = 16
+MAX_FRAC_DIGITS = 20   # a float's shortest repr has at most 17
 MAX_EXP_DIGITS = 2    # keeps every number finite as a float
 MAX_INDENT = 32       # spaces or tabs after a newline between tokens
 
@@ -111,16 +112,31 @@ class JsonGrammar(Grammar):
             raise GrammarError(f"minLength {lo} is greater than maxLength {hi}")
         return self.rule([lit('"') + [Ref(self.char.rule, lo, hi)] + lit('"')], "string")
 
+    def key_except(self, names: list[str]) -> Element:
+        """Returns: a string of plain characters (no escapes, so it reads as written) that is
+        none of ``names``: a trie of the names where each step may also leave it."""
+        trie = char_trie(n for n in names if all(contains(PLAIN, ord(c)) for c in n))
+        run, close = Chars(PLAIN, 0, -1), lit('"')
+
+        def alts(node: dict, done: dict) -> list[list[Element]]:
+            kids = sorted(k for k in node if k is not None)
+            out = [] if None in node else [close]
+            others = subtract(PLAIN, ranges(kids))
+            if others:
+                out.append([Chars(others), run] + close)
+            return out + [lit(c) + done[id(node[c])] for c in kids]
+        return self.rule([lit('"') + self.trie_rules(trie, alts, "key")], "key")
+
     def literal_values(self, values: list) -> Element:
         """Returns: exactly these JSON values, each in its compact serialization."""
-        texts = sorted({json.dumps(v, ensure_ascii=False, separators=(", ", ": ")) for v in values})
-        return self.literal_set(texts, "enum")
+        texts = sorted({json.dumps(v, ensure_ascii=False) for v in values})
+        return self.choice([self.literal_set(texts, "enum")])
 
     # ---- numbers -----------------------------------------------------------------
 
     @cached_property
     def number(self) -> Element:
-        """Any JSON number, with at most 16 integer and 16 fraction digits and a 2-digit exponent."""
+        """Any JSON number, with at most 16 integer and 20 fraction digits and a 2-digit exponent."""
         exp = self.seq([Chars(ranges("eE")), Chars(ranges("+-"), 0, 1), Chars(DIGIT, 1, MAX_EXP_DIGITS)],
                        0, 1, "exponent")
         return self.rule([[Chars(MINUS, 0, 1), self.natural, self.fraction, exp]],
@@ -215,14 +231,14 @@ class JsonGrammar(Grammar):
         alts = list(self.scalar)
         if depth < self.max_depth:
             inner = self.value(depth + 1)
-            alts.append([self.object_of(self.member(self.string, inner))])
+            alts.append([self.object_of(self.member([self.string], inner))])
             alts.append([self.array_of([inner])])
         v = self._values[depth] = self.rule(alts, f"value{depth}")
         return v
 
-    def member(self, key: Element, value: Element) -> list[Element]:
+    def member(self, key: list[Element], value: Element) -> list[Element]:
         """Returns: the elements of one object member: key, colon, value."""
-        return [key, self.ws] + lit(":") + [self.ws, value]
+        return key + [self.ws] + lit(":") + [self.ws, value]
 
     def object_of(self, member: list[Element]) -> Element:
         """Returns: '{' members '}' with any number of ``member``, separated by commas."""
