@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -213,21 +214,30 @@ class Model:
         self.session.truncate(0)
         return self.session.feed(ids, all_logits=True)
 
-    def generate(self, prompt: str | Sequence[int], **sampling) -> Iterator[Chunk]:
+    def generate(self, prompt: str | Sequence[int], constraint=None, **sampling) -> Iterator[Chunk]:
         """Stream a continuation of a prompt (text, tokenized with BOS per the model, or ids).
 
         Args:
             prompt: text or token ids.
+            constraint: optional TokenConstraint over ``token_vocab`` (e.g.
+                TokenConstraint.json_schema(schema, m.token_vocab)); used up by one call.
             **sampling: SamplingParams fields (temperature, top_k, ..., seed, max_tokens, stop).
         Yields:
             Chunk pieces of text (str) carrying .tokens and .logprobs.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return self._generate(ids, self._params(sampling))
+        return self._generate(ids, self._params(sampling), constraint)
 
-    def chat(self, messages: list[dict], **sampling) -> Iterator[Chunk]:
-        """Stream the assistant's reply to a conversation, using the chat template."""
-        return self._generate(self.chat_tokens(messages), self._params(sampling))
+    def chat(self, messages: list[dict], constraint=None, **sampling) -> Iterator[Chunk]:
+        """Stream the assistant's reply to a conversation, using the chat template (constraint:
+        as in ``generate``)."""
+        return self._generate(self.chat_tokens(messages), self._params(sampling), constraint)
+
+    @cached_property
+    def token_vocab(self):
+        """The vocabulary as constraints see it (localllm.constrain.TokenVocab), built once."""
+        from .constrain import TokenVocab
+        return TokenVocab.from_tokenizer(self.tokenizer)
 
     def _params(self, sampling: dict) -> SamplingParams:
         names = {f.name for f in fields(SamplingParams)}
@@ -238,7 +248,7 @@ class Model:
         p.validate()
         return p
 
-    def _generate(self, ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
+    def _generate(self, ids: list[int], params: SamplingParams, constraint=None) -> Iterator[Chunk]:
         if not ids:
             raise EngineError("the prompt is empty")
         if len(ids) >= self.ctx:
@@ -249,10 +259,11 @@ class Model:
         sess.truncate(cached)
         stats = GenerationStats()
         self.last_stats = stats
+        # Constrained text is checked byte for byte, so it is decoded without space cleaning.
+        stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
         return run_generation(sess.feed, ids, cached, self.ctx - len(ids), params,
-                              self.vocab_size, self.tokenizer.stream(continuation=True),
-                              self.tokenizer.is_eog, stats,
-                              getattr(self.backend, "logsumexp", None))
+                              self.vocab_size, stream, self.tokenizer.is_eog, stats,
+                              getattr(self.backend, "logsumexp", None), constraint)
 
     def close(self) -> None:
         self.file.close()

@@ -84,7 +84,7 @@ class StopMatcher:
 def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence[int],
                    cached: int, room: int, params: SamplingParams, vocab_size: int,
                    stream, is_eog: Callable[[int], bool], stats: GenerationStats,
-                   logsumexp=None) -> Iterator[Chunk]:
+                   logsumexp=None, constraint=None) -> Iterator[Chunk]:
     """Generate from a prompt.
 
     Args:
@@ -96,10 +96,12 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         is_eog: end-of-generation test.
         stats: filled in as generation proceeds.
         logsumexp: optional fast log-sum-exp for the log-probabilities.
+        constraint: optional TokenConstraint (e.g. JSON) every token must satisfy; generation
+            ends when it is complete and an end token is chosen, or nothing else may follow.
     Yields:
         Chunk pieces of text.
     """
-    sampler = Sampler(params, vocab_size, logsumexp)
+    sampler = Sampler(params, vocab_size, logsumexp, constraint)
     stats.seed = sampler.seed
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = cached
@@ -117,7 +119,7 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         tok, lp = sampler.sample(logits, history)
         if i == 0:
             stats.time_to_first_token = time.perf_counter() - t0
-        if is_eog(tok) and not params.ignore_eos:
+        if is_eog(tok) and (not params.ignore_eos or constraint is not None):
             stats.finish_reason = "stop"
             break
         history.append(tok)
@@ -129,7 +131,7 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         if text or stopped:
             yield Chunk(text, toks, lps)
             toks, lps = [], []
-        if stopped:
+        if stopped or (constraint is not None and constraint.must_end()):
             stats.finish_reason = "stop"
             break
         if i + 1 == params.max_tokens:
