@@ -180,6 +180,8 @@ class Sampler:
         mask = self.constraint.mask()
         if not mask.any():
             raise ConstraintError("no token can continue the constrained output")
+        if mask.size < self.vocab_size:  # logits padded past the tokenizer's vocabulary
+            mask = np.concatenate([mask, np.zeros(self.vocab_size - mask.size, bool)])
         return mask
 
     def logprob(self, logits: np.ndarray, tok: int) -> float:

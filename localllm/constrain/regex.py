@@ -225,11 +225,6 @@ def pattern_element(g: JsonGrammar, pattern: str) -> Element:
     return g.rule([lit('"') + [g.choice(alts, "pattern")] + lit('"')], "pattern-string")
 
 
-def regex_string(g: JsonGrammar, pattern: str) -> Element:
-    """Returns: a JSON string matching an anchored pattern used internally (formats)."""
-    return pattern_element(g, pattern)
-
-
 class _Emitter:
     """Turns parsed nodes into grammar elements over JSON-encoded characters: a class holding
     characters a JSON string must escape becomes its plain part plus those escapes."""
