@@ -202,7 +202,9 @@ def test_schema_accepts_valid_documents(vocab):
                         (SCHEMAS[0], '{"name": "", "age": 120}'),
                         (SCHEMAS[1], '{"v": 1, "kids": [{"v": 2}, {"v": 3, "kids": []}]}'),
                         (SCHEMAS[2], '"2024-02-28"'), (SCHEMAS[2], "-5"), (SCHEMAS[2], "2.999"),
-                        (SCHEMAS[5], '{"k": 1, "x": true}'), (SCHEMAS[12], "1.000")]:
+                        (SCHEMAS[5], '{"k": 1, "x": true}'), (SCHEMAS[12], "1.000"),
+                        ({"type": "object", "additionalProperties": {"type": "integer"},
+                          "required": ["n"]}, '{"n": 4}')]:
         c = TokenConstraint.json_schema(schema, vocab)
         feed(c, doc.encode())
         assert c.is_complete(), (schema, doc)
@@ -233,6 +235,10 @@ def test_schema_accepts_valid_documents(vocab):
     ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"},
      "does not nest"),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "no finite value"),
+    ({"allOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+                {"properties": {"b": {}}}]}, "different properties"),
+    ({"allOf": [{"type": "object", "additionalProperties": False}, {"required": ["b"]}]},
+     "additionalProperties is false"),
 ])
 def test_unsupported_schemas_name_the_problem(vocab, schema, words):
     with pytest.raises(GrammarError) as e:

@@ -229,10 +229,20 @@ class _Compiler:
         """Returns: one schema equivalent to all of ``parts`` (allOf), for the cases where the
         keywords combine plainly; raises GrammarError otherwise."""
         out: dict = {}
-        for p in parts:
-            p = self.flat(p, path)
+        closed = []  # property names of the parts that limit additionalProperties
+        flats = [self.flat(p, path) for p in parts]
+        for p in flats:
             if p is False:
                 return self._keep({"type": []})
+            if p.get("additionalProperties", True) is not True:
+                closed.append(set(p.get("properties", {})))
+        if closed:
+            # A part's additionalProperties judges names against its own properties only.
+            names = set().union(*(p.get("properties", {}) for p in flats))
+            if any(c != names for c in closed):
+                raise GrammarError(f"{path}: allOf of objects with additionalProperties and "
+                                   "different properties is not supported")
+        for p in flats:
             for k, v in p.items():
                 if k in ANNOTATIONS:
                     continue
@@ -243,7 +253,7 @@ class _Compiler:
                 if k not in out:
                     out[k] = v
                     continue
-                out[k] = self._merge_key(k, out[k], v, out, p, path)
+                out[k] = self._merge_key(k, out[k], v, path)
         return self._keep(out)
 
     def flat(self, p, path: str):
@@ -272,17 +282,13 @@ class _Compiler:
             return self.merged(p["allOf"] + [{k: v for k, v in p.items() if k != "allOf"}], path)
         return p
 
-    def _merge_key(self, k: str, a, b, out: dict, other: dict, path: str):
+    def _merge_key(self, k: str, a, b, path: str):
         if k == "type":
             both = _type_values(a) & _type_values(b)
             return sorted(both - {"integer"} if "number" in both else both)
         if k == "required":
             return list(dict.fromkeys(list(a) + list(b)))
         if k == "properties":
-            if (out.get("additionalProperties", True) is not True or
-                    other.get("additionalProperties", True) is not True) and set(a) != set(b):
-                raise GrammarError(f"{path}: allOf of objects with different properties and "
-                                   "additionalProperties is not supported")
             merged = dict(a)
             for name, sub in b.items():
                 merged[name] = {"allOf": [merged[name], sub]} if name in merged else sub
@@ -456,7 +462,13 @@ class _Compiler:
         names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
         members = []
         for name in names:
-            sub = props.get(name, True)
+            if name in props:
+                sub = props[name]
+            elif addl is False:
+                raise GrammarError(f"{path}: required property {name!r} is not in properties, "
+                                   "and additionalProperties is false")
+            else:
+                sub = True if addl is None else addl  # a required additional property
             key = lit(json.dumps(name, ensure_ascii=False))
             val = self.value(sub, depth + 1, f"{path}/properties/{name}")
             members.append((g.member(key, val), name in required))
