@@ -1,8 +1,8 @@
 """Time the JSON constraint on the real vocabularies: building the token vocabulary, a full
 mask in typical states (cold: transitions never seen; warm: seen before, cache of masks
-cleared), one-token checks and advances. Run under the shared CPU lock:
+cleared), one-token checks and advances, on an otherwise idle machine:
 
-    flock /tmp/localllm-cpu.lock python scripts/bench_constrain.py
+    python scripts/bench_constrain.py [--repeat N] [MODEL ...]
 """
 
 from __future__ import annotations
