@@ -15,6 +15,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
@@ -281,7 +282,7 @@ class Model:
         with self.new_sequence() as seq:
             return seq.feed(ids, all_logits=True)
 
-    def generate(self, prompt: str | Seq[int], seq: Sequence | None = None,
+    def generate(self, prompt: str | Seq[int], seq: Sequence | None = None, constraint=None,
                  **sampling) -> Generation:
         """Stream a continuation of a prompt (text, tokenized with BOS per the model, or ids).
 
@@ -290,16 +291,18 @@ class Model:
             seq: the sequence to continue (its KV for the common prefix is reused, and it
                 holds the prompt and the output afterwards); None: a fresh one, released
                 at the end.
+            constraint: optional TokenConstraint over ``token_vocab`` (e.g.
+                TokenConstraint.json_schema(schema, m.token_vocab)); used up by one call.
             **sampling: SamplingParams fields (temperature, top_k, ..., seed, max_tokens, stop).
         Returns:
             A Generation: Chunk pieces of text (str) carrying .tokens, .logprobs and, on the
             last, .finish_reason.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return self._generate(ids, self._params(sampling), seq)
+        return self._generate(ids, self._params(sampling), seq, constraint=constraint)
 
     def chat(self, messages: list[dict], seq: Sequence | None = None,
-             context_shift: bool = False, **sampling) -> Generation:
+             context_shift: bool = False, constraint=None, **sampling) -> Generation:
         """Stream the assistant's reply to a conversation, using the chat template.
 
         Args:
@@ -308,12 +311,20 @@ class Model:
             context_shift: when the conversation does not fit, or fills up while replying,
                 drop its oldest turns (after any system message) instead of failing or
                 stopping; ``stats.dropped_messages`` counts them.
+            constraint: as for generate.
             **sampling: SamplingParams fields.
         """
         params = self._params(sampling)
         if not context_shift:
-            return self._generate(self.chat_tokens(messages), params, seq)
-        return self._shifting_chat(list(messages), params, seq)
+            return self._generate(self.chat_tokens(messages), params, seq,
+                                  constraint=constraint)
+        return self._shifting_chat(list(messages), params, seq, constraint)
+
+    @cached_property
+    def token_vocab(self):
+        """The vocabulary as constraints see it (localllm.constrain.TokenVocab), built once."""
+        from .constrain import TokenVocab
+        return TokenVocab.from_tokenizer(self.tokenizer)
 
     def _params(self, sampling: dict) -> SamplingParams:
         names = {f.name for f in fields(SamplingParams)}
@@ -332,15 +343,16 @@ class Model:
                               "use a larger context size (-c) or a shorter prompt")
 
     def _generate(self, ids: list[int], params: SamplingParams, seq: Sequence | None,
-                  shift=None, stats: GenerationStats | None = None) -> Generation:
+                  shift=None, stats: GenerationStats | None = None,
+                  constraint=None) -> Generation:
         self._check_prompt(ids)
         if seq is not None:
             seq._check()
         stats = stats or GenerationStats()
         self.last_stats = stats
-        return Generation(self._run(ids, params, seq, stats, shift), stats)
+        return Generation(self._run(ids, params, seq, stats, shift, constraint), stats)
 
-    def _run(self, ids, params, seq, stats, shift) -> Iterator[Chunk]:
+    def _run(self, ids, params, seq, stats, shift, constraint) -> Iterator[Chunk]:
         own = seq is None
         if own:
             seq = self.new_sequence()
@@ -357,17 +369,19 @@ class Model:
                 seq.adopt(fresh)  # positions changed: the shortened conversation anew
                 return logits, room
 
+            # Constrained text is checked byte for byte: decoded without space cleaning.
+            stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
             yield from run_generation(
-                seq.feed, ids, cached, self.ctx - len(ids), params, self.vocab_size,
-                self.tokenizer.stream(continuation=True), self.tokenizer.is_eog, stats,
-                self.backend.logsumexp, lambda: self.kv.cache.checkpoint(seq.kv),
-                make_room if shift is not None else None)
+                seq.feed, ids, cached, self.ctx - len(ids), params, self.vocab_size, stream,
+                self.tokenizer.is_eog, stats, self.backend.logsumexp,
+                lambda: self.kv.cache.checkpoint(seq.kv),
+                make_room if shift is not None else None, constraint)
         finally:
             if own:
                 seq.release()
 
     def _shifting_chat(self, messages: list[dict], params: SamplingParams,
-                       seq: Sequence | None) -> Generation:
+                       seq: Sequence | None, constraint=None) -> Generation:
         """chat() with the oldest turns dropped as needed to fit the context."""
         first = 1 if messages and messages[0].get("role") == "system" else 0
         stats = GenerationStats()
@@ -394,7 +408,7 @@ class Model:
                 return None
             return new, self.ctx - len(new)
 
-        return self._generate(ids, params, seq, shift, stats)
+        return self._generate(ids, params, seq, shift, stats, constraint)
 
     def close(self) -> None:
         self.file.close()

@@ -95,8 +95,8 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
                    cached: int, room: int, params: SamplingParams, vocab_size: int,
                    stream, is_eog: Callable[[int], bool], stats: GenerationStats,
                    logsumexp=None, after_prompt: Callable[[], None] | None = None,
-                   shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None
-                   ) -> Iterator[Chunk]:
+                   shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None,
+                   constraint=None) -> Iterator[Chunk]:
     """Generate from a prompt.
 
     Args:
@@ -111,10 +111,12 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         after_prompt: called once the prompt is processed (e.g. to checkpoint the cache).
         shift: when the context is full, may make room (given the tokens generated so far):
             returns the next logits and the new room, or None to end with 'length'.
+        constraint: optional TokenConstraint (e.g. JSON) every token must satisfy; generation
+            ends when it is complete and an end token is chosen, or nothing else may follow.
     Yields:
         Chunk pieces of text; the last one carries the finish reason.
     """
-    sampler = Sampler(params, vocab_size, logsumexp)
+    sampler = Sampler(params, vocab_size, logsumexp, constraint)
     stats.seed = sampler.seed
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = cached
@@ -135,7 +137,7 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         tok, lp, top = sampler.sample(logits, history)
         if i == 0:
             stats.time_to_first_token = time.perf_counter() - t0
-        if is_eog(tok) and not params.ignore_eos:
+        if is_eog(tok) and (not params.ignore_eos or constraint is not None):
             stats.finish_reason, text = "stop", ""
             break
         history.append(tok)
@@ -146,7 +148,7 @@ def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence
         if params.top_logprobs:
             tops.append(top)
         text, stopped = stop.push(stream.feed(tok))
-        if stopped:
+        if stopped or (constraint is not None and constraint.must_end()):
             stats.finish_reason = "stop"
             break
         if i + 1 == params.max_tokens:

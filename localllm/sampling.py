@@ -57,15 +57,30 @@ class SamplingParams:
                              f"got {self.top_logprobs}")
 
 
-class Sampler:
-    """Turns a row of logits into a token, given the tokens generated so far."""
+class ConstraintError(ValueError):
+    """The constraint allows no next token (a grammar with a dead end)."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int, logsumexp=None):
+
+class Sampler:
+    """Turns a row of logits into a token, given the tokens generated so far.
+
+    With a constraint (localllm.constrain.TokenConstraint), each token is drawn exactly from
+    the processed distribution restricted to the tokens the constraint allows, renormalized:
+    a first draw is kept when allowed (the common case, one cheap check), otherwise the draw
+    is made again among the allowed candidates, which together gives p(t) / P(allowed). When
+    no candidate is allowed (top-k, top-p or min-p kept none), the mask is applied before
+    truncation instead. Greedy takes the best allowed token. The constraint is advanced past
+    each chosen token.
+    """
+
+    def __init__(self, params: SamplingParams, vocab_size: int, logsumexp=None, constraint=None):
         """Args:
             params: the settings; vocab_size: logits width.
             logsumexp: optional fast log(sum(exp(z))) for the log-probabilities.
+            constraint: optional TokenConstraint the chosen tokens must satisfy.
         """
         params.validate()
+        self.constraint = constraint
         self._lse = logsumexp
         self.p = params
         self.vocab_size = vocab_size
@@ -90,9 +105,12 @@ class Sampler:
             v -= count * p.frequency_penalty + p.presence_penalty
             z[tok] = v
 
-    def candidates(self, logits: np.ndarray, history: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def candidates(self, logits: np.ndarray, history: list[int],
+                   allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Apply penalties, bias, top-k, top-p and min-p.
 
+        Args:
+            allowed: optional bool (vocab,) mask applied before truncation.
         Returns:
             (token ids, their processed logits), most likely first; ties keep id order.
         """
@@ -101,6 +119,8 @@ class Sampler:
         self._penalize(z, history)
         for tok, b in p.logit_bias.items():
             z[int(tok)] += b
+        if allowed is not None:
+            z[~allowed] = -np.inf
         finite = np.flatnonzero(np.isfinite(z))
         if finite.size == 0:
             raise ValueError("every token was removed (all logits are -inf or NaN)")
@@ -134,19 +154,24 @@ class Sampler:
             (token id, its log-probability under the model's raw distribution, the
             ``top_logprobs`` most likely (id, log-probability) pairs, or []).
         """
-        p = self.p
+        p, con = self.p, self.constraint
         if (p.temperature == 0 and not p.logit_bias and p.repeat_penalty == 1.0
                 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
             tok = int(np.argmax(logits))  # plain greedy: no copy of the logits needed
+            if con is not None and not con.allowed(tok):
+                tok = int(np.argmax(np.where(self._allowed(), logits, -np.inf)))
         else:
             cand, zc = self.candidates(logits, history)
-            if cand.size == 1:
-                tok = int(cand[0])
-            else:
-                w = np.exp((zc - zc[0]) / self.p.temperature)
-                c = np.cumsum(w)
-                i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
-                tok = int(cand[min(i, cand.size - 1)])
+            tok = self._draw(cand, zc)
+            if con is not None and not con.allowed(tok):
+                allowed = self._allowed()
+                keep = allowed[cand]
+                if keep.any() and cand.size > 1:
+                    tok = self._draw(cand[keep], zc[keep])
+                else:
+                    tok = self._draw(*self.candidates(logits, history, allowed))
+        if con is not None:
+            con.advance(tok)
         lse = self._logsumexp(logits)
         top = []
         if p.top_logprobs:
@@ -157,6 +182,23 @@ class Sampler:
 
     def _logsumexp(self, logits: np.ndarray) -> float:
         return self._lse(logits) if self._lse is not None else logsumexp(logits)
+
+    def _draw(self, cand: np.ndarray, zc: np.ndarray) -> int:
+        """Returns: a token drawn from candidates with processed logits zc (zc[0] the largest)."""
+        if cand.size == 1:
+            return int(cand[0])
+        w = np.exp((zc - zc.max()) / self.p.temperature)
+        c = np.cumsum(w)
+        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        return int(cand[min(i, cand.size - 1)])
+
+    def _allowed(self) -> np.ndarray:
+        mask = self.constraint.mask()
+        if not mask.any():
+            raise ConstraintError("no token can continue the constrained output")
+        if mask.size < self.vocab_size:  # logits padded past the tokenizer's vocabulary
+            mask = np.concatenate([mask, np.zeros(self.vocab_size - mask.size, bool)])
+        return mask
 
     def logprob(self, logits: np.ndarray, tok: int) -> float:
         """log softmax(logits)[tok] under the model's raw distribution."""

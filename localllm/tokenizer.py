@@ -467,7 +467,8 @@ class Tokenizer:
         # llama.cpp's clean_up_tokenization_spaces: " ." -> ".", " ' " -> "'", " 's" -> "'s"
         return _CLEAN_3.sub(b"", _CLEAN_2.sub(b"'", _CLEAN_1.sub(b"", raw)))
 
-    def stream(self, skip_special: bool = False, continuation: bool = False) -> "StreamDecoder":
+    def stream(self, skip_special: bool = False, continuation: bool = False,
+               clean_spaces: bool = True) -> "StreamDecoder":
         """Returns: an incremental detokenizer whose output joins to `decode(ids, skip_special)`.
 
         Args:
@@ -475,8 +476,10 @@ class Tokenizer:
             continuation: the ids continue earlier ones (e.g. generated after a prompt): no
                 leading BOS is dropped and no leading space stripped, so the text joins to
                 `decode(prompt + ids)` minus `decode(prompt)` (for models without space cleaning).
+            clean_spaces: False gives the pieces' bytes as they are, even for a model that
+                cleans spaces (text produced under a grammar, checked byte for byte).
         """
-        return StreamDecoder(self, skip_special, continuation)
+        return StreamDecoder(self, skip_special, continuation, clean_spaces)
 
 
 class StreamDecoder:
@@ -488,8 +491,10 @@ class StreamDecoder:
     `Tokenizer.decode(all_ids, skip_special)`.
     """
 
-    def __init__(self, tok: Tokenizer, skip_special: bool = False, continuation: bool = False):
+    def __init__(self, tok: Tokenizer, skip_special: bool = False, continuation: bool = False,
+                 clean_spaces: bool = True):
         self._tok = tok
+        self._clean = tok.clean_spaces and clean_spaces
         self._skip = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._first = not continuation
@@ -529,7 +534,7 @@ class StreamDecoder:
         return piece
 
     def _emit(self, raw: bytes, final: bool) -> str:
-        if self._tok.clean_spaces:
+        if self._clean:
             buf = self._pending + raw
             cut = len(buf) if final else _clean_cut(buf)
             self._pending = buf[cut:]
