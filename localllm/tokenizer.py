@@ -61,6 +61,7 @@ _C_SPACE = " \t\n\x0b\x0c\r"  # isspace() in the C locale
 _CLEAN_1 = re.compile(rb" (?=[?!.,])")
 _CLEAN_2 = re.compile(rb" ' ")
 _CLEAN_3 = re.compile(rb" (?='(?:[sm]|re|ve))")
+_BYTE_TEXT = re.compile("<0x[0-9A-Fa-f]{2}>")
 
 
 class TokenizerError(ValueError):
@@ -76,6 +77,19 @@ def _as_list(arr, n: int, conv) -> list:
 
 def _key(meta: Mapping[str, Any], name: str, default=None):
     return meta.get("tokenizer.ggml." + name, default)
+
+
+def _numbers(meta: Mapping[str, Any], name: str, n: int, kinds: str) -> np.ndarray | None:
+    """Returns: a per-token numeric array (None if absent), checked to have n entries."""
+    value = _key(meta, name)
+    if value is None:
+        return None
+    arr = np.asarray(value) if isinstance(value, (list, np.ndarray)) else None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
+        raise TokenizerError(f"tokenizer.ggml.{name} is not an array of numbers")
+    if len(arr) != n:
+        raise TokenizerError(f"tokenizer.ggml.{name} has {len(arr)} entries for {n} tokens")
+    return arr
 
 
 class Tokenizer:
@@ -106,17 +120,21 @@ class Tokenizer:
         return cls(meta)
 
     def __init__(self, meta: Mapping[str, Any]):
-        self.model = str(_key(meta, "model", ""))
+        if _key(meta, "model") is None:
+            raise TokenizerError("metadata key 'tokenizer.ggml.model' is missing")
+        self.model = str(_key(meta, "model"))
         tokens = _key(meta, "tokens")
         if tokens is None or not len(tokens):
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise TokenizerError("tokenizer.ggml.tokens is not an array of strings")
         n = len(tokens)
         self.vocab_size = n
-        types = _key(meta, "token_type")
-        scores = _key(meta, "scores")
-        for name, arr in (("token_type", types), ("scores", scores)):
-            if arr is not None and len(arr) < n:
-                raise TokenizerError(f"tokenizer.ggml.{name} has {len(arr)} entries for {n} tokens")
+        types = _numbers(meta, "token_type", n, "iu")
+        scores = _numbers(meta, "scores", n, "fiu")
+        if scores is not None and not np.isfinite(scores).all():
+            i = int(np.flatnonzero(~np.isfinite(scores))[0])
+            raise TokenizerError(f"tokenizer.ggml.scores[{i}] is {scores[i]}, not a finite number")
         # llama.cpp renames empty tokens; a later duplicate text wins the text->id map.
         self._text = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self._vocab = {t: i for i, t in enumerate(self._text)}
@@ -126,6 +144,11 @@ class Tokenizer:
         self._scores = array("f", np.asarray(scores, np.float32)[:n].tobytes()) \
             if scores is not None else array("f", bytes(4 * n))
         self._attr = array("i", [_ATTR_OF_TYPE.get(t, 0) for t in self._types])
+        if types is not None:  # a byte token's text is decoded as hex on every use
+            for i in np.flatnonzero(types == TYPE_BYTE).tolist():
+                if not _BYTE_TEXT.fullmatch(self._text[i]):
+                    raise TokenizerError(f"token {i} ({self._text[i]!r}) has the byte type but "
+                                         "is not spelled <0xHH>")
 
         if self.model == "llama":
             self._spm = True
@@ -177,9 +200,15 @@ class Tokenizer:
             key = {"unk": "unknown", "pad": "padding", "sep": "seperator"}.get(name, name)
             value = _key(meta, f"{key}_token_id")
             if value is None and name in _FIM_TEXTS:  # deprecated names
-                old = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}.get(name)
-                value = _key(meta, f"{old}_token_id") if old else None
-            ids[name] = int(value) if value is not None and 0 <= int(value) < n else default
+                key = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}.get(name)
+                value = _key(meta, f"{key}_token_id") if key else None
+            # llama.cpp warns and falls back to the default; a wrong id is refused here, so
+            # it cannot surface as a bad token in the middle of a reply.
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < n):
+                raise TokenizerError(f"tokenizer.ggml.{key}_token_id is {value!r}, not a token "
+                                     f"id of the {n}-token vocabulary")
+            ids[name] = value if value is not None else default
         self._ids = ids
         self.bos_id, self.eos_id, self.unk_id = ids["bos"], ids["eos"], ids["unk"]
 
@@ -247,10 +276,18 @@ class Tokenizer:
     def _ranks(self, merges: Sequence[str] | None) -> dict[tuple[str, str], int]:
         if merges is None:
             raise TokenizerError("gpt2 tokenizer without tokenizer.ggml.merges")
+        if not isinstance(merges, list):
+            raise TokenizerError("tokenizer.ggml.merges is not an array of strings")
         ranks: dict[tuple[str, str], int] = {}
+        vocab = self._vocab
         for i, m in enumerate(merges):
-            pos = m.find(" ", 1)
+            pos = m.find(" ", 1) if isinstance(m, str) else -1
             pair = (m[:pos], m[pos + 1:]) if pos >= 0 else ("", "")
+            # Each merge joins two tokens into a third; one naming text outside the
+            # vocabulary means the merges belong to another vocabulary.
+            if pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+                raise TokenizerError(f"tokenizer.ggml.merges[{i}] ({m!r}) is not two tokens "
+                                     "of the vocabulary that join into a third")
             ranks.setdefault(pair, i)
         return ranks
 
