@@ -4,6 +4,7 @@ vocabulary, special tokens, encoding, detokenization and streaming detokenizatio
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import os
 import re
@@ -270,6 +271,7 @@ class Tokenizer:
         ids.sort(key=lambda i: (-len(self._text[i].encode("utf-8")), i))
         self._special_order = {i: k for k, i in enumerate(ids)}
         self._special_prefixes = {self._text[i][:k] for i in ids for k in range(1, len(self._text[i]) + 1)}
+        self._special_longest = max((len(self._text[i]) for i in ids), default=0)
         firsts = "".join(sorted({self._text[i][0] for i in ids}))
         self._special_first_re = re.compile("[" + re.escape(firsts) + "]") if firsts else None
 
@@ -377,6 +379,8 @@ class Tokenizer:
         Returns:
             token ids.
         """
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be a str, not {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -414,8 +418,16 @@ class Tokenizer:
         found: set[int] = set()
         skip = 0 if parse_special else (ATTR_CONTROL | ATTR_UNKNOWN)
         prefixes, order, n = self._special_prefixes, self._special_order, len(text)
+        longest = self._special_longest
+        seen: set[str] = set()  # windows already looked at: runs repeat them (" " * 10**6)
         for m in self._special_first_re.finditer(text):
             p = m.start()
+            window = text[p:p + longest]
+            if window in seen:
+                continue
+            if len(seen) >= 4096:
+                seen.clear()
+            seen.add(window)
             for end in range(p + 1, n + 1):  # every special token starting at p
                 t = text[p:end]
                 if t not in prefixes:
@@ -430,44 +442,30 @@ class Tokenizer:
         """Split out special tokens as llama.cpp's `tokenizer_st_partition`.
 
         Tokens are taken longest first over the whole text (not leftmost first); each
-        one is cut out of every remaining raw fragment, left to right.
+        one is cut out of every remaining raw fragment, left to right. Only fragments
+        where a token occurs are visited (llama.cpp walks every fragment for every
+        token, which is quadratic in a text of many distinct special tokens).
         Returns: fragments: token ids and raw text pieces.
         """
         if not text:
             return []
+        # frags[i] is a raw (start, end) range or a token id; starts[i] is where it begins.
         frags: list[int | tuple[int, int]] = [(0, len(text))]
+        starts = [0]
         for tid in self._candidates(text, parse_special):
             tok, attr = self._text[tid], self._attr[tid]
             guarded = literal_spans if attr & (ATTR_CONTROL | ATTR_UNKNOWN) else ()
-            new: list[int | tuple[int, int]] = []
-            for frag in frags:
-                if isinstance(frag, int):
-                    new.append(frag)
-                    continue
-                start, end = frag
-                search = start
-                while True:
-                    at = text.find(tok, search, end)
-                    if at >= 0 and any(a < at + len(tok) and at < b for a, b in guarded):
-                        search = at + 1
-                        continue
-                    if at < 0:
-                        new.append((start, end))
-                        break
-                    left_end = at
-                    if attr & ATTR_LSTRIP:
-                        while left_end > start and text[left_end - 1] in _C_SPACE:
-                            left_end -= 1
-                    if left_end > start:
-                        new.append((start, left_end))
-                    new.append(tid)
-                    start = search = at + len(tok)
-                    if attr & ATTR_RSTRIP:
-                        while start < end and text[start] in _C_SPACE:
-                            start += 1
-                    if start >= end:
-                        break
-            frags = new
+            p = text.find(tok)
+            while p >= 0:
+                i = bisect.bisect_right(starts, p) - 1
+                frag = frags[i]
+                nxt = starts[i + 1] if i + 1 < len(starts) else len(text)
+                if not isinstance(frag, int) and p + len(tok) <= frag[1]:
+                    pieces = _cut(text, frag[0], frag[1], tid, tok, attr, guarded)
+                    frags[i:i + 1] = [f for f, _ in pieces]
+                    starts[i:i + 1] = [at for _, at in pieces]
+                # Whatever happened, no later occurrence in this fragment can be cut.
+                p = text.find(tok, nxt)
         return [f if isinstance(f, int) else text[f[0]:f[1]] for f in frags]
 
     # ------------------------------------------------------------------ decode
@@ -572,6 +570,40 @@ class StreamDecoder:
             self._pending = buf[cut:]
             raw = Tokenizer._clean(buf[:cut])
         return self._utf8.decode(raw, final=final)
+
+
+def _cut(text: str, start: int, end: int, tid: int, tok: str, attr: int,
+         guarded: Sequence[tuple[int, int]]) -> list[tuple[int | tuple[int, int], int]]:
+    """Cuts every occurrence of special token `tok` out of the raw fragment text[start:end],
+    left to right, stripping neighbouring spaces as its attributes ask; occurrences that
+    overlap a guarded span stay text.
+
+    Returns: the pieces, each (raw (start, end) range or the token id, where it begins).
+    """
+    out: list[tuple[int | tuple[int, int], int]] = []
+    search = start
+    while True:
+        at = text.find(tok, search, end)
+        if at >= 0 and any(a < at + len(tok) and at < b for a, b in guarded):
+            search = at + 1
+            continue
+        if at < 0:
+            out.append(((start, end), start))
+            break
+        left_end = at
+        if attr & ATTR_LSTRIP:
+            while left_end > start and text[left_end - 1] in _C_SPACE:
+                left_end -= 1
+        if left_end > start:
+            out.append(((start, left_end), start))
+        out.append((tid, at))
+        start = search = at + len(tok)
+        if attr & ATTR_RSTRIP:
+            while start < end and text[start] in _C_SPACE:
+                start += 1
+        if start >= end:
+            break
+    return out
 
 
 def _clean_cut(buf: bytes) -> int:
