@@ -79,16 +79,18 @@ def tensors(n_layers: int = N_LAYERS, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def write(path: str | Path, meta: dict | None = None, weights: dict | None = None) -> Path:
+def write(path: str | Path, meta: dict | None = None, weights: dict | None = None,
+          n_layers: int = N_LAYERS, seed: int = 0) -> Path:
     """Writes a tiny model; `meta` entries replace the defaults (None drops a key; a plain
     value keeps the key's type, uint32 or float32 for a new key; a (value, type, item type)
-    tuple sets the type), and so do `weights` entries. 2-D float tensors are stored Q8_0 (when their rows allow it),
-    1-D ones F32.
+    tuple sets the type), and so do `weights` entries. 2-D float tensors are stored Q8_0
+    (when their rows allow it), 1-D ones F32.
 
     Returns:
         The path written.
     """
     m = metadata()
+    m["llama.block_count"] = (n_layers, V.UINT32, None)
     for k, v in (meta or {}).items():
         if v is None:
             m.pop(k, None)
@@ -98,7 +100,7 @@ def write(path: str | Path, meta: dict | None = None, weights: dict | None = Non
             m[k] = (v, m[k][1], m[k][2])
         else:
             m[k] = (v, V.FLOAT32 if isinstance(v, float) else V.UINT32, None)
-    t = tensors()
+    t = tensors(n_layers, seed)
     for k, v in (weights or {}).items():
         if v is None:
             t.pop(k, None)
