@@ -19,10 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no sweep of orphaned temporary files
-    fcntl = None
+from localllm.filelock import abandoned, hold
 
 from localllm.kernels import CACHE_DIR as _KERNEL_HASH_DIR
 from localllm.kernels import matmul as mm
@@ -148,8 +145,7 @@ def write_store(path: Path, weights: dict[str, mm.Weight]) -> bool:
         sweep_orphans(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=_PART)
         with os.fdopen(fd, "wb") as f:
-            if fcntl is not None:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            hold(f)
             f.write(MAGIC + len(head).to_bytes(8, "little") + head)
             f.write(b"\0" * (base - 16 - len(head)))
             for off, arr in blobs:
@@ -176,23 +172,11 @@ def sweep_orphans(directory: Path) -> int:
     Returns:
         How many were removed.
     """
-    if fcntl is None:
-        return 0
     removed = 0
     for part in directory.glob(f"*{_PART}"):
-        try:
-            fd = os.open(part, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # being written
-        else:
+        if abandoned(part):
             part.unlink(missing_ok=True)
             removed += 1
-        finally:
-            os.close(fd)
     return removed
 
 

@@ -18,10 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no sweep of abandoned downloads
-    fcntl = None
+from .filelock import abandoned, hold
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -228,9 +225,8 @@ def fetch_model(model: KnownModel, directory: str | os.PathLike | None = None,
     with tempfile.TemporaryDirectory(dir=target_dir, prefix=".fetch-",
                                      ignore_cleanup_errors=True) as tmp:
         tmp_path = Path(tmp)
-        lock = open(tmp_path / ".lock", "wb")  # held while this fetch is alive
-        if fcntl is not None:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        lock = open(tmp_path / ".lock", "wb")
+        hold(lock)  # while this fetch is alive
         try:
             partial = tmp_path / (model.filename + ".partial")
             digest = _download(model, partial, tmp_path, quiet, links)
@@ -276,21 +272,9 @@ def _download(model: KnownModel, partial: Path, tmp: Path, quiet: bool,
 
 def _sweep_abandoned(directory: Path) -> None:
     """Removes the temporary directories of fetches that were killed (no lock held)."""
-    if fcntl is None:
-        return
     for d in directory.glob(".fetch-*"):
-        try:
-            fd = os.open(d / ".lock", os.O_RDONLY)
-        except OSError:
-            continue  # just created, or not ours
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a fetch in progress
-        else:
+        if abandoned(d / ".lock"):
             shutil.rmtree(d, ignore_errors=True)
-        finally:
-            os.close(fd)
 
 
 def list_cached(directory: str | os.PathLike | None = None) -> list[Path]:

@@ -17,6 +17,7 @@ import localllm
 import tiny_model
 from localllm.backends.cpu_store import PackedStore, sweep_orphans, write_store
 from localllm.fetch import FetchError, check_cached, fetch_model, resolve_model_path
+from localllm.filelock import hold
 
 
 @pytest.fixture
@@ -155,9 +156,8 @@ def test_kill_during_store_write_leaves_one_whole_version(tmp_path, two_models):
 
 
 def test_a_live_writers_temporary_file_is_not_swept(tmp_path):
-    import fcntl
     part = tmp_path / "x.llpack.123.part"
     with open(part, "wb") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        hold(f)
         assert sweep_orphans(tmp_path) == 0 and part.exists()
     assert sweep_orphans(tmp_path) == 1 and not part.exists()
