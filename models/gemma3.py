@@ -14,7 +14,7 @@ from localllm.backends.base import RopeSpec
 
 from . import llama
 from .block import BlockSpec
-from .common import WeightLoader, meta_float, meta_int
+from .common import ModelError, WeightLoader, meta_float, meta_int
 
 SWA_ROPE_THETA = 10000.0  # Gemma 3's local layers use a fixed base
 
@@ -30,11 +30,23 @@ class ModelArgs(llama.ModelArgs):
         base = llama.ModelArgs.from_gguf(meta, arch)
         p = f"{arch}."
         head_dim = base.head_dim
-        return cls(**{**base.__dict__,
+        args = cls(**{**base.__dict__,
                       "sliding_window": meta_int(meta, p + "attention.sliding_window", 512),
                       "swa_pattern": meta_int(meta, p + "attention.sliding_window_pattern", 6),
                       "attn_scale": meta_float(meta, p + "attention.scale", 0.0)
                       or 1.0 / math.sqrt(head_dim)})
+        args.check()
+        return args
+
+    def check(self) -> None:
+        super().check()
+        if self.swa_pattern < 0 or self.swa_pattern > 0 and self.sliding_window <= 0:
+            raise ModelError(f"metadata '{self.arch}.attention.sliding_window' "
+                             f"({self.sliding_window}) and '_pattern' ({self.swa_pattern}) "
+                             f"must be positive")
+        if self.attn_scale <= 0:
+            raise ModelError(f"metadata '{self.arch}.attention.scale' must be positive, "
+                             f"got {self.attn_scale}")
 
     def is_sliding(self, layer: int) -> bool:
         return self.swa_pattern > 0 and layer % self.swa_pattern < self.swa_pattern - 1

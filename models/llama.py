@@ -35,10 +35,25 @@ class ModelArgs:
         dim = meta_int(meta, p + "embedding_length")
         n_heads = meta_int(meta, p + "attention.head_count")
         n_kv = meta_int(meta, p + "attention.head_count_kv", n_heads)
+        if p + "attention.key_length" not in meta and n_heads > 0 and dim % n_heads:
+            raise ModelError(f"metadata '{p}embedding_length' ({dim}) is not a multiple of "
+                             f"'{p}attention.head_count' ({n_heads})")
         head_dim = meta_int(meta, p + "attention.key_length", dim // max(n_heads, 1))
+        value_dim = meta_int(meta, p + "attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise ModelError(f"metadata '{p}attention.value_length' ({value_dim}) differs from "
+                             f"the key length ({head_dim}); not supported")
+        tokens = meta_get(meta, "tokenizer.ggml.tokens")
         vocab = meta_get(meta, p + "vocab_size")
         if vocab is None:
-            vocab = len(meta_get(meta, "tokenizer.ggml.tokens", required=True))
+            if tokens is None:
+                raise ModelError("metadata key 'tokenizer.ggml.tokens' is missing")
+            vocab = len(tokens)
+        vocab = meta_int(meta, p + "vocab_size", vocab)
+        if tokens is not None and len(tokens) != vocab:
+            # Sampling would pick ids the tokenizer cannot spell, or never reach some.
+            raise ModelError(f"metadata '{p}vocab_size' is {vocab} but "
+                             f"'tokenizer.ggml.tokens' has {len(tokens)} entries")
         scale_type = meta_get(meta, p + "rope.scaling.type", "none")
         factor = meta_float(meta, p + "rope.scaling.factor", 1.0)
         if scale_type not in ("none", "linear") and factor != 1.0:
@@ -46,7 +61,7 @@ class ModelArgs:
         args = cls(
             arch=arch, dim=dim, n_layers=meta_int(meta, p + "block_count"), n_heads=n_heads,
             n_kv_heads=n_kv, head_dim=head_dim,
-            hidden_dim=meta_int(meta, p + "feed_forward_length"), vocab_size=int(vocab),
+            hidden_dim=meta_int(meta, p + "feed_forward_length"), vocab_size=vocab,
             norm_eps=meta_float(meta, p + "attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=meta_float(meta, p + "rope.freq_base", 10000.0),
             n_rot=meta_int(meta, p + "rope.dimension_count", head_dim),
@@ -57,16 +72,23 @@ class ModelArgs:
         return args
 
     def check(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-                     "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ModelError(f"{self.arch}: {name} must be positive, got {getattr(self, name)}")
+        """Raises ModelError, naming the metadata key, for values no model can run with."""
+        keys = {"dim": "embedding_length", "n_layers": "block_count",
+                "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
+                "head_dim": "attention.key_length", "hidden_dim": "feed_forward_length",
+                "vocab_size": "vocab_size", "context_length": "context_length",
+                "norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base"}
+        for name, key in keys.items():
+            if not getattr(self, name) > 0:
+                raise ModelError(f"metadata '{self.arch}.{key}' must be positive, "
+                                 f"got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
-            raise ModelError(f"{self.arch}: {self.n_heads} heads do not group into "
-                             f"{self.n_kv_heads} KV heads")
-        if self.n_rot > self.head_dim or self.n_rot % 2:
-            raise ModelError(f"{self.arch}: rope dimension {self.n_rot} invalid for head_dim "
-                             f"{self.head_dim}")
+            raise ModelError(f"metadata '{self.arch}.attention.head_count' ({self.n_heads}) is "
+                             f"not a multiple of '{self.arch}.attention.head_count_kv' "
+                             f"({self.n_kv_heads})")
+        if not 0 <= self.n_rot <= self.head_dim or self.n_rot % 2:
+            raise ModelError(f"metadata '{self.arch}.rope.dimension_count' ({self.n_rot}) must be "
+                             f"even and at most the head size {self.head_dim}")
 
 
 def load_block(w: WeightLoader, i: int, a: ModelArgs) -> BlockWeights:

@@ -1,11 +1,14 @@
 """Builds small GGUF files byte by byte, valid and hostile, for the reader's tests.
 
 Each hostile case returns the file's bytes with the field and byte offset the reader must
-name in its GGUFError; offsets come from the builder's own layout bookkeeping."""
+name in its GGUFError; offsets come from the builder's own layout bookkeeping. Run as a
+script, it writes them as the committed regression corpus (tests/fixtures/hostile/)."""
 
 from __future__ import annotations
 
+import json
 import struct
+from pathlib import Path
 from typing import Callable
 
 # Metadata value types (GGUF spec).
@@ -386,3 +389,25 @@ HOSTILE: dict[str, Callable[[], Case]] = {
         tensor_name_past_eof, empty_file, three_bytes, ten_bytes, header_only_counts_past_eof,
     )
 }
+
+
+# ---- the committed regression corpus ------------------------------------------------
+
+CORPUS = Path(__file__).parent / "fixtures" / "hostile"
+
+
+def write_corpus(directory: Path = CORPUS) -> None:
+    """Writes one file per hostile case and records its expected field and offset in
+    manifest.json, keeping entries for files the fuzzer found (which no code builds)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    for name, case in HOSTILE.items():
+        data, field, offset = case()
+        (directory / f"{name}.gguf").write_bytes(data)
+        manifest[name] = {"field": field, "offset": offset, "source": "gguf_hostile"}
+    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    write_corpus()
