@@ -1,4 +1,4 @@
-"""The `llm` command: run a prompt, pull, list and inspect models.
+"""The `llm` command: run a prompt, serve a model, pull, list and inspect models.
 
 Stdout carries only generated text; messages and statistics go to stderr. Every failure is
 one line starting with ``error:`` and a non-zero exit code.
@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(run)
     _add_sampling_options(run)
 
+    _add_serve_parser(sub)
+
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name")
     pull.add_argument("--models-dir", default=None)
@@ -88,6 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--models-dir", default=None)
     insp.add_argument("--all", action="store_true", help="print every metadata key in full")
     return ap
+
+
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="a local OpenAI-compatible endpoint")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="GGUF path or known model name (default: smollm2-135m)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; others need an API key)")
+    srv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free)")
+    key = srv.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="bearer token clients must send")
+    key.add_argument("--api-key-file", default=None, help="read the API key from a file")
+    srv.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                     help="Host header to accept besides loopback names (repeatable; '*': any)")
+    srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="browser origin allowed to call the API (repeatable; default: none)")
+    srv.add_argument("--parallel", type=_positive_int, default=1,
+                     help="requests generated together (default 1; this engine version "
+                          "generates one at a time)")
+    srv.add_argument("--max-queue", type=int, default=16,
+                     help="requests waiting beyond --parallel; past that 503 (default 16)")
+    srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
+                     help="largest request body (default 4 MiB)")
+    srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    _add_model_options(srv)
+    _add_sampling_options(srv)
 
 
 # ----------------------------------------------------------------------------- run
@@ -126,20 +154,26 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
+def _load_settings(args) -> dict:
+    """localllm.load's keyword arguments from the model options (shared by run and serve)."""
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    return dict(ctx_size=args.ctx_size, threads=args.threads, batch_size=args.batch_size,
+                chat_template=args.chat_template, models_dir=args.models_dir,
+                weight_cache=not args.no_weight_cache)
+
+
 def cmd_run(args) -> int:
     from .engine import load
     prompt = _read_prompt(args)
     sampling = _sampling(args)
     from .sampling import SamplingParams
     SamplingParams(**sampling).validate()
-    if args.ctx_size < 0:
-        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    settings = _load_settings(args)
     t0 = time.perf_counter()
-    model = load(args.model, ctx_size=args.ctx_size, threads=args.threads,
-                 batch_size=args.batch_size, chat_template=args.chat_template,
-                 models_dir=args.models_dir, weight_cache=not args.no_weight_cache)
+    model = load(args.model, **settings)
     load_s = time.perf_counter() - t0
     # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
@@ -170,6 +204,24 @@ def cmd_run(args) -> int:
               f"seed: {s.seed}\n"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
+
+
+def cmd_serve(args) -> int:
+    try:
+        from .server import ServerSettings, serve
+        from .server.settings import read_api_key
+    except ImportError as e:
+        raise ValueError(f"llm serve needs the server extra ({e.name} is missing): "
+                         "pip install 'localllm[server]'") from None
+    from .sampling import SamplingParams
+    sampling = _sampling(args)
+    SamplingParams(**sampling).validate()
+    key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+    return serve(ServerSettings(
+        model=args.model, host=args.host, port=args.port, api_key=key,
+        allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
+        max_queue=args.max_queue, max_body=args.max_body, load=_load_settings(args),
+        sampling=sampling, verbose=args.verbose))
 
 
 # ----------------------------------------------------------------------------- pull / list / inspect
@@ -232,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
-    handler = {"run": cmd_run, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
+    handler = {"run": cmd_run, "serve": cmd_serve, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
