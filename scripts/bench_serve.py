@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import threading
@@ -22,6 +21,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 # A long-ish system prompt, so that the first turn's prompt processing is visible.
 SYSTEM = ("You are a careful assistant. " * 40).strip()
@@ -99,16 +99,6 @@ def concurrent(client_factory, streams: int, tokens: int) -> dict:
             "wall_s": wall}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -145,7 +135,8 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()
     from localllm.kernels.simd import ISA
-    out["machine"] = {"cpu": cpu_name(), "isa": ISA, "threads": args.threads,
+    from bench import _cpu_name
+    out["machine"] = {"cpu": _cpu_name(), "isa": ISA, "threads": args.threads,
                       "model": args.model, "url": args.url}
     if args.json:
         print(json.dumps(out, indent=2))

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..sampling import SamplingParams
 from .errors import APIError
@@ -25,6 +25,7 @@ from .schemas import SamplingFields
 from .settings import ServerSettings
 
 DISCONNECT_POLL_S = 0.25
+CLIENT_GONE = Response(status_code=499)  # nobody reads it; ends the request quietly
 
 
 def new_id(prefix: str) -> str:
@@ -174,6 +175,17 @@ async def first_event(job: Job, request: Request) -> Event | None:
     if isinstance(ev, Failed):
         raise ev.error
     return ev
+
+
+async def respond(job: Job, request: Request, stream: Callable[[Event], Response] | None,
+                  whole: Callable[[list[Event]], Response]) -> Response:
+    """Answer a job: as a stream built from its first event, or whole from all its events.
+    A client that left meanwhile gets nothing (its job is cancelled)."""
+    if stream is not None:
+        first = await first_event(job, request)
+        return CLIENT_GONE if first is None else stream(first)
+    events = await collect(job, request)
+    return CLIENT_GONE if events is None else whole(events)
 
 
 def total_usage(events: list[Event], n: int) -> Usage:

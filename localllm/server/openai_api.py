@@ -5,39 +5,40 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
-from .common import (ServerState, collect, event_stream, first_event, logprob_items, new_id,
-                     refuse_constraint, refuse_top_logprobs, sse, total_usage, usage_body)
+from .common import (ServerState, event_stream, logprob_items, new_id, refuse_constraint,
+                     refuse_top_logprobs, respond, sse, total_usage, usage_body)
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
-
-CLIENT_GONE = Response(status_code=499)  # nobody reads it; ends the request quietly
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def _include_usage(body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
 class _Choices:
     """Text, logprobs and finish reason of each choice, gathered from events."""
 
-    def __init__(self):
-        self.text: dict[int, list[str]] = {}
+    def __init__(self, events: list[Event]):
+        self.text: dict[int, list[str]] = {}     # the echoed prompt first (or "")
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, str] = {}
-
-    def add(self, ev: Event) -> None:
-        if isinstance(ev, Started):
-            self.text[ev.index] = [ev.prompt_text or ""]
-            self.logprobs[ev.index] = []
-        elif isinstance(ev, Piece):
-            self.text[ev.index].append(ev.text)
-            self.logprobs[ev.index] += ev.logprobs or []
-        elif isinstance(ev, Finished):
-            self.finish[ev.index] = ev.finish_reason
+        for ev in events:
+            if isinstance(ev, Started):
+                self.text[ev.index] = [ev.prompt_text or ""]
+                self.logprobs[ev.index] = []
+            elif isinstance(ev, Piece):
+                self.text[ev.index].append(ev.text)
+                self.logprobs[ev.index] += ev.logprobs or []
+            elif isinstance(ev, Finished):
+                self.finish[ev.index] = ev.finish_reason
 
     def indexes(self) -> list[int]:
         return sorted(self.text)
@@ -60,26 +61,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     job = st.scheduler.submit(spec)
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": st.model_id,
             "system_fingerprint": st.fingerprint}
-    if body.stream:
-        first = await first_event(job, request)
-        if first is None:
-            return CLIENT_GONE
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return _chat_stream(first, job, head, body.n, body.logprobs, usage)
-    events = await collect(job, request)
-    if events is None:
-        return CLIENT_GONE
-    got = _Choices()
-    for ev in events:
-        got.add(ev)
-    choices = [{"index": i,
-                "message": {"role": "assistant", "content": "".join(got.text[i]),
-                            "refusal": None},
-                "logprobs": ({"content": logprob_items(got.logprobs[i]), "refusal": None}
-                             if body.logprobs else None),
-                "finish_reason": got.finish.get(i, "length")} for i in got.indexes()]
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage_body(total_usage(events, body.n))})
+
+    def whole(events: list[Event]) -> JSONResponse:
+        got = _Choices(events)
+        choices = [{"index": i,
+                    "message": {"role": "assistant", "content": "".join(got.text[i]),
+                                "refusal": None},
+                    "logprobs": ({"content": logprob_items(got.logprobs[i]), "refusal": None}
+                                 if body.logprobs else None),
+                    "finish_reason": got.finish.get(i, "length")} for i in got.indexes()]
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                             "usage": usage_body(total_usage(events, body.n))})
+
+    def stream(first: Event):
+        return _chat_stream(first, job, head, body.n, body.logprobs, _include_usage(body))
+    return await respond(job, request, stream if body.stream else None, whole)
 
 
 def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_usage: bool):
@@ -138,27 +134,22 @@ async def completions(body: CompletionRequest, request: Request):
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": st.model_id, "system_fingerprint": st.fingerprint}
     want_lps = body.logprobs is not None
-    if body.stream:
-        first = await first_event(job, request)
-        if first is None:
-            return CLIENT_GONE
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return _completion_stream(first, job, head, body.n, want_lps, usage)
-    events = await collect(job, request)
-    if events is None:
-        return CLIENT_GONE
-    got = _Choices()
-    for ev in events:
-        got.add(ev)
-    choices = []
-    for i in got.indexes():
-        echo = got.text[i][0]
-        choices.append({"index": i, "text": "".join(got.text[i]),
-                        "logprobs": _legacy_logprobs(got.logprobs[i], len(echo)) if want_lps
-                        else None,
-                        "finish_reason": got.finish.get(i, "length")})
-    return JSONResponse({**head, "choices": choices,
-                         "usage": usage_body(total_usage(events, body.n))})
+
+    def whole(events: list[Event]) -> JSONResponse:
+        got = _Choices(events)
+        choices = []
+        for i in got.indexes():
+            echo = got.text[i][0]
+            choices.append({"index": i, "text": "".join(got.text[i]),
+                            "logprobs": _legacy_logprobs(got.logprobs[i], len(echo)) if want_lps
+                            else None,
+                            "finish_reason": got.finish.get(i, "length")})
+        return JSONResponse({**head, "choices": choices,
+                             "usage": usage_body(total_usage(events, body.n))})
+
+    def stream(first: Event):
+        return _completion_stream(first, job, head, body.n, want_lps, _include_usage(body))
+    return await respond(job, request, stream if body.stream else None, whole)
 
 
 def _completion_stream(first: Event, job, head: dict, n: int, logprobs: bool,

@@ -9,10 +9,9 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from .common import (ServerState, StoredResponse, collect, event_stream, first_event,
-                     logprob_items, new_id, refuse_constraint, refuse_top_logprobs, sse)
+from .common import (ServerState, StoredResponse, event_stream, logprob_items, new_id,
+                     refuse_constraint, refuse_top_logprobs, respond, sse)
 from .errors import APIError
-from .openai_api import CLIENT_GONE
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started, Usage
 from .schemas import ResponsesRequest
 
@@ -131,18 +130,16 @@ async def create_response(body: ResponsesRequest, request: Request):
     spec = GenerationSpec([Prompt(messages=turn.messages(), param="input")], turn.sampling,
                           logprobs=turn.logprobs)
     job = st.scheduler.submit(spec)
-    if body.stream:
-        first = await first_event(job, request)
-        if first is None:
-            return CLIENT_GONE
+
+    def whole(events: list[Event]) -> JSONResponse:
+        for ev in events:
+            turn.add(ev)
+        turn.store()
+        return JSONResponse(turn.response())
+
+    def stream(first: Event):
         return event_stream(first, job, lambda ev: _render(turn, ev), lambda: [])
-    events = await collect(job, request)
-    if events is None:
-        return CLIENT_GONE
-    for ev in events:
-        turn.add(ev)
-    turn.store()
-    return JSONResponse(turn.response())
+    return await respond(job, request, stream if body.stream else None, whole)
 
 
 def _render(turn: _Turn, ev: Event) -> list[str]:

@@ -72,6 +72,12 @@ def content_text(content: Content | None) -> str:
     return "\n".join(p.text or "" for p in content)
 
 
+def template_message(role: str, content: Content | None) -> dict:
+    """A message as chat templates take it. 'developer' is the newer name of 'system',
+    which is the only one templates know."""
+    return {"role": "system" if role == "developer" else role, "content": content_text(content)}
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Content | None = None
@@ -88,9 +94,7 @@ class ChatMessage(_Body):
         return self
 
     def as_template_message(self) -> dict:
-        # 'developer' is the newer name of 'system'; chat templates know only the latter.
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content_text(self.content)}
+        return template_message(self.role, self.content)
 
 
 # ----------------------------------------------------------------------------- output format
@@ -234,8 +238,7 @@ class InputMessage(_Body):
     status: str | None = None
 
     def as_template_message(self) -> dict:
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content_text(self.content)}
+        return template_message(self.role, self.content)
 
 
 class TextFormat(_Body):
