@@ -431,6 +431,30 @@ def test_metrics_exposition(server):
         m["localllm_time_to_first_token_seconds_count"] > 0
 
 
+def test_host_rules():
+    from localllm.server.security import HostAllowlist, host_of, is_loopback
+    assert [host_of(h) for h in ("a.b:80", "[::1]:8080", "[::1]", "Local.Host.", "1.2.3.4")] == \
+        ["a.b", "::1", "::1", "local.host", "1.2.3.4"]
+    assert all(is_loopback(h) for h in ("localhost", "127.0.0.1", "127.9.9.9", "::1",
+                                        "app.localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "localhost.attacker.example",
+                                            "192.0.2.1", "example.com", "::"))
+    hosts = HostAllowlist(["box.lan", "[2001:db8::1]:80"])
+    assert hosts.allows("box.lan:8080") and hosts.allows("[2001:db8::1]:8080")
+    assert not hosts.allows("attacker.example") and HostAllowlist(["*"]).allows("any")
+
+
+def test_settings_checks():
+    from localllm.server import ServerSettings
+    ServerSettings(host="::1").check()
+    ServerSettings(host="0.0.0.0", api_key="k").check()
+    for bad in (dict(host="0.0.0.0"), dict(host="example.com"), dict(port=70000),
+                dict(max_queue=-1), dict(cors_origins=["localhost:3000"]),
+                dict(api_key=" ")):
+        with pytest.raises(ValueError):
+            ServerSettings(**bad).check()
+
+
 # ----------------------------------------------------------------------------- the process
 
 def _serve(*args):
