@@ -3,6 +3,7 @@ SIGTERM/SIGINT end in-flight streams with a final event and exit within a few se
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import socket
@@ -106,8 +107,11 @@ def serve(settings: ServerSettings) -> int:
         f"{__version__}:{path.name}:{path.stat().st_size}".encode()).hexdigest()[:12]
     state = ServerState(settings, scheduler, metrics, ResponseStore(settings.stored_responses),
                         names, fingerprint=fingerprint)
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # logs never on stdout
     config = uvicorn.Config(create_app(state), log_level="info" if settings.verbose else "warning",
-                            access_log=settings.verbose, lifespan="on", server_header=False,
+                            log_config=log_config, access_log=settings.verbose, lifespan="on",
+                            server_header=False,
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace)))
     server = _Server(config, scheduler)
     scheduler.start()
