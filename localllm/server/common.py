@@ -25,7 +25,6 @@ from .schemas import SamplingFields
 from .settings import ServerSettings
 
 DISCONNECT_POLL_S = 0.25
-CLIENT_GONE = Response(status_code=499)  # nobody reads it; ends the request quietly
 
 
 def new_id(prefix: str) -> str:
@@ -181,11 +180,12 @@ async def respond(job: Job, request: Request, stream: Callable[[Event], Response
                   whole: Callable[[list[Event]], Response]) -> Response:
     """Answer a job: as a stream built from its first event, or whole from all its events.
     A client that left meanwhile gets nothing (its job is cancelled)."""
+    gone = Response(status_code=499)   # nobody reads it; it ends the request quietly
     if stream is not None:
         first = await first_event(job, request)
-        return CLIENT_GONE if first is None else stream(first)
+        return gone if first is None else stream(first)
     events = await collect(job, request)
-    return CLIENT_GONE if events is None else whole(events)
+    return gone if events is None else whole(events)
 
 
 def total_usage(events: list[Event], n: int) -> Usage:
