@@ -4,6 +4,7 @@ the OpenAI Python client and by raw httpx requests."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import threading
@@ -137,12 +138,20 @@ def test_seed_reproducible(client):
 
 def test_logprobs_shape(client):
     r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=8,
-                                       temperature=0, logprobs=True, top_logprobs=0)
+                                       temperature=0, logprobs=True, top_logprobs=3)
     items = r.choices[0].logprobs.content
     assert len(items) == r.usage.completion_tokens
     for it in items:
-        assert it.logprob <= 0 and it.top_logprobs == []
+        assert it.logprob <= 0 and len(it.top_logprobs) == 3
         assert bytes(it.bytes).decode("utf-8", errors="backslashreplace") == it.token
+        values = [a.logprob for a in it.top_logprobs]
+        assert values == sorted(values, reverse=True) and sum(map(math.exp, values)) <= 1.0001
+        # greedy: the chosen token is the most likely one
+        assert it.top_logprobs[0].token == it.token
+        assert it.top_logprobs[0].logprob == pytest.approx(it.logprob, abs=1e-4)
+    plain = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                           max_tokens=8, temperature=0, logprobs=True)
+    assert all(it.top_logprobs == [] for it in plain.choices[0].logprobs.content)
     text = b"".join(bytes(it.bytes) for it in items).decode("utf-8", errors="replace")
     assert text == r.choices[0].message.content
     # greedy: each chosen token is the most likely, so its log-probability is high
@@ -236,9 +245,11 @@ def test_json_output(client, http):
 
 def test_completions(client, http):
     r = client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=6,
-                                  temperature=0, logprobs=0)
+                                  temperature=0, logprobs=2)
     c = r.choices[0]
     assert c.text and len(c.logprobs.tokens) == r.usage.completion_tokens
+    assert all(len(top) == 2 and tok in top
+               for tok, top in zip(c.logprobs.tokens, c.logprobs.top_logprobs))
     assert r.usage.prompt_tokens == count_tokens(http, content="The sky is")
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model="smollm2-135m", prompt="The sky is", max_tokens=6, temperature=0, stream=True)

@@ -80,7 +80,13 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request):
         s = st(request)
-        text = s.metrics.render(s.scheduler.gauges())
+        kv = None
+        if s.scheduler.state == "ready":
+            try:   # read on the worker, which alone touches the model
+                kv = await s.scheduler.call(lambda m: m.kv_stats())
+            except APIError:   # stopping meanwhile
+                pass
+        text = s.metrics.render(s.scheduler.gauges(kv))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

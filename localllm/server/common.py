@@ -123,13 +123,6 @@ def refuse_constraint(kind: str, param: str) -> None:
                             "version of the engine does not have yet", "unsupported_value", param)
 
 
-def refuse_top_logprobs(n: int | None, param: str) -> None:
-    if n:
-        raise APIError(400, f"{param} > 0 is not supported yet: the engine reports the "
-                            "chosen token's log-probability only (use 0)",
-                       "unsupported_value", param)
-
-
 # ----------------------------------------------------------------------------- waiting
 
 async def next_event(job: Job, request: Request) -> Event | None:
@@ -209,9 +202,10 @@ def usage_body(u: Usage) -> dict:
 
 
 def logprob_items(lps: list[TokenLogprob] | None) -> list[dict]:
-    """OpenAI's per-token logprob objects (top_logprobs stay empty: the engine gives the
-    chosen token's only)."""
-    return [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes, "top_logprobs": []}
+    """OpenAI's per-token logprob objects, each with its most likely alternatives."""
+    return [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
+             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes}
+                              for a in t.top]}
             for t in lps or ()]
 
 

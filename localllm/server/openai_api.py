@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from .common import (ServerState, event_stream, logprob_items, new_id, refuse_constraint,
-                     refuse_top_logprobs, respond, sse, total_usage, usage_body)
+                     respond, sse, total_usage, usage_body)
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -54,10 +54,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     st.check_n(body.n)
     fmt = body.response_format.type if body.response_format else "text"
     refuse_constraint(fmt, "response_format")
-    refuse_top_logprobs(body.top_logprobs, "top_logprobs")
     sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
     messages = [m.as_template_message() for m in body.messages]
-    spec = GenerationSpec([Prompt(messages=messages)], sampling, n=body.n, logprobs=body.logprobs)
+    spec = GenerationSpec([Prompt(messages=messages)], sampling, n=body.n, logprobs=body.logprobs,
+                          top_logprobs=body.top_logprobs or 0)
     job = st.scheduler.submit(spec)
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": st.model_id,
             "system_fingerprint": st.fingerprint}
@@ -108,14 +108,15 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
 def _legacy_logprobs(lps, offset: int) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their log-probabilities and
     their character offsets in the choice's text."""
-    tokens, values, offsets = [], [], []
+    tokens, values, offsets, tops = [], [], [], []
     for t in lps:
         tokens.append(t.token)
         values.append(t.logprob)
         offsets.append(offset)
+        tops.append({a.token: a.logprob for a in t.top})
         offset += len(t.token)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": values,
+            "top_logprobs": tops if any(tops) else None, "text_offset": offsets}
 
 
 @router.post("/v1/completions")
@@ -125,11 +126,11 @@ async def completions(body: CompletionRequest, request: Request):
     st.check_model(body.model)
     prompts = body.prompts()
     st.check_n(body.n * len(prompts))
-    refuse_top_logprobs(body.logprobs, "logprobs")
     sampling = st.sampling(body, body.max_tokens, body.stop)
     spec = GenerationSpec([Prompt(text=p, param="prompt") if isinstance(p, str)
                            else Prompt(ids=p, param="prompt") for p in prompts],
-                          sampling, n=body.n, logprobs=body.logprobs is not None, echo=body.echo)
+                          sampling, n=body.n, logprobs=body.logprobs is not None,
+                          top_logprobs=body.logprobs or 0, echo=body.echo)
     job = st.scheduler.submit(spec)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": st.model_id, "system_fingerprint": st.fingerprint}

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from .common import (ServerState, StoredResponse, event_stream, logprob_items, new_id,
-                     refuse_constraint, refuse_top_logprobs, respond, sse)
+                     refuse_constraint, respond, sse)
 from .errors import APIError
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started, Usage
 from .schemas import ResponsesRequest
@@ -117,7 +117,6 @@ async def create_response(body: ResponsesRequest, request: Request):
     st = _state(request)
     st.check_model(body.model)
     refuse_constraint(body.text.format.type if body.text else "text", "text.format")
-    refuse_top_logprobs(body.top_logprobs, "top_logprobs")
     history: list[dict] = []
     if body.previous_response_id is not None:
         prev = st.responses.get(body.previous_response_id)
@@ -128,7 +127,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         history = prev.messages
     turn = _Turn(st, body, st.sampling(body, body.max_output_tokens, None), history)
     spec = GenerationSpec([Prompt(messages=turn.messages(), param="input")], turn.sampling,
-                          logprobs=turn.logprobs)
+                          logprobs=turn.logprobs,
+                          top_logprobs=(body.top_logprobs or 0) if turn.logprobs else 0)
     job = st.scheduler.submit(spec)
 
     def whole(events: list[Event]) -> JSONResponse:

@@ -34,6 +34,7 @@ class GenerationSpec:
     sampling: dict              # SamplingParams fields, validated by the caller
     n: int = 1
     logprobs: bool = False
+    top_logprobs: int = 0       # alternatives reported per position (with logprobs)
     add_special: bool = True    # BOS for text prompts, as the model's file asks
     echo: bool = False          # Started carries the prompt's text
 
@@ -49,10 +50,18 @@ class Started:
 
 
 @dataclass
+class TopLogprob:
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+@dataclass
 class TokenLogprob:
     token: str
     bytes: list[int]
     logprob: float
+    top: list[TopLogprob]       # the most likely tokens at this position, best first
 
 
 @dataclass
@@ -143,7 +152,7 @@ class JobRun:
             if spec.echo:
                 echo = prompt.text if prompt.text is not None else model.detokenize(ids)
             for i in range(spec.n):
-                sampling = dict(spec.sampling)
+                sampling = dict(spec.sampling, top_logprobs=spec.top_logprobs)
                 if seed is not None:  # each choice its own stream, all reproducible
                     sampling["seed"] = (seed + i) % SEED_SPACE
                 self._choices.append(_Choice(p * spec.n + i, ids, sampling, echo))
@@ -188,11 +197,11 @@ class JobRun:
         c = self._choices[0]
         if c.gen is None:
             c.gen = self.model.generate(c.prompt, **c.sampling)
-            c.stats = self.model.last_stats  # the stats object of the generation just made
+            c.stats = c.gen.stats
             return [Started(c.index, len(c.prompt), c.echo)]
         try:
             chunk = next(c.gen)
-        except StopIteration:
+        except StopIteration:  # the last chunk carried the finish reason
             return self._finish(FINISH_REASONS.get(c.stats.finish_reason, "length"))
         now = time.perf_counter()
         if chunk.tokens:
@@ -231,10 +240,15 @@ class JobRun:
     def _logprobs(self, chunk) -> list[TokenLogprob] | None:
         if not self.spec.logprobs:
             return None
-        tok = self.model.tokenizer
+        tops = chunk.top_logprobs or [()] * len(chunk.tokens)
         out = []
-        for t, lp in zip(chunk.tokens, chunk.logprobs):
-            piece = tok.token_to_piece(t)
-            out.append(TokenLogprob(piece.decode("utf-8", errors="backslashreplace"),
-                                    list(piece), _finite(lp)))
+        for t, lp, top in zip(chunk.tokens, chunk.logprobs, tops):
+            text, raw = self._piece(t)
+            out.append(TokenLogprob(text, raw, _finite(lp),
+                                    [TopLogprob(*self._piece(i), _finite(v)) for i, v in top]))
         return out
+
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text (bytes of an unfinished character escaped) and its bytes."""
+        piece = self.model.tokenizer.token_to_piece(token)
+        return piece.decode("utf-8", errors="backslashreplace"), list(piece)

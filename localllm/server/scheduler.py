@@ -17,14 +17,9 @@ from .runs import Done, Event, Failed, GenerationSpec, JobRun
 
 log = logging.getLogger("localllm.server")
 
-# The engine holds one KV session per model until sequences land; requests then run one at
-# a time, whatever --parallel says (it bounds admission only).
-ENGINE_SLOTS = 1
-
-
 @dataclass
 class Limits:
-    parallel: int = 1       # requests generated together (at most ENGINE_SLOTS for now)
+    parallel: int = 1       # requests generated together, each on its own sequence
     max_queue: int = 16     # requests waiting beyond those; past that, 503
 
 
@@ -108,7 +103,8 @@ class Scheduler:
 
     @property
     def slots(self) -> int:
-        return max(1, min(self.limits.parallel, ENGINE_SLOTS))
+        # Each generation owns its Sequence, so generations interleave a token at a time.
+        return max(1, self.limits.parallel)
 
     def _refuse_unless_ready(self) -> None:
         if self.state == "loading":
@@ -163,10 +159,15 @@ class Scheduler:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def gauges(self) -> Gauges:
+    def gauges(self, kv=None) -> Gauges:
+        """The scheduler's gauges, with the KV cache's blocks when ``kv`` (KVStats) is given."""
         with self._cond:
-            return Gauges(requests_waiting=len(self._waiting), requests_running=len(self._active),
-                          model_loaded=int(self.model is not None))
+            g = Gauges(requests_waiting=len(self._waiting), requests_running=len(self._active),
+                       model_loaded=int(self.model is not None))
+        if kv is not None:
+            g.kv_blocks_used, g.kv_blocks_free = kv.blocks_used, kv.blocks_free
+            g.kv_blocks_cached = kv.blocks_cached
+        return g
 
     # ---- the worker thread ----------------------------------------------------------
 
