@@ -1,4 +1,4 @@
-"""The `llm` command: run a prompt, pull, list and inspect models.
+"""The `llm` command: run a prompt, serve a model, pull, list and inspect models.
 
 Stdout carries only generated text; messages and statistics go to stderr. Every failure is
 one line starting with ``error:`` and a non-zero exit code.
@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_model_options(ppl)
 
+    _add_serve_parser(sub)
+
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name")
     pull.add_argument("--models-dir", default=None)
@@ -121,6 +123,31 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--models-dir", default=None)
     insp.add_argument("--all", action="store_true", help="print every metadata key in full")
     return ap
+
+
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="a local OpenAI-compatible endpoint")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="GGUF path or known model name (default: smollm2-135m)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; others need an API key)")
+    srv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free)")
+    key = srv.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="bearer token clients must send")
+    key.add_argument("--api-key-file", default=None, help="read the API key from a file")
+    srv.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                     help="Host header to accept besides loopback names (repeatable; '*': any)")
+    srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="browser origin allowed to call the API (repeatable; default: none)")
+    srv.add_argument("--parallel", type=_positive_int, default=1,
+                     help="requests generated together, a token each in turn (default 1)")
+    srv.add_argument("--max-queue", type=int, default=16,
+                     help="requests waiting beyond --parallel; past that 503 (default 16)")
+    srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
+                     help="largest request body (default 4 MiB)")
+    srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    _add_model_options(srv)
+    _add_sampling_options(srv)
 
 
 # ----------------------------------------------------------------------------- run
@@ -246,6 +273,24 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from .server import ServerSettings, serve
+        from .server.settings import read_api_key
+    except ImportError as e:
+        raise ValueError(f"llm serve needs the server extra ({e.name} is missing): "
+                         "pip install 'localllm[server]'") from None
+    from .sampling import SamplingParams
+    sampling = _sampling(args)
+    SamplingParams(**sampling).validate()
+    key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+    return serve(ServerSettings(
+        model=args.model, host=args.host, port=args.port, api_key=key,
+        allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
+        max_queue=args.max_queue, max_body=args.max_body, load=_model_settings(args),
+        sampling=sampling, verbose=args.verbose))
+
+
 # ----------------------------------------------------------------------------- pull / list / inspect
 
 def cmd_pull(args) -> int:
@@ -306,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
-    handler = {"run": cmd_run, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect,
-               "perplexity": cmd_perplexity}[args.command]
+    handler = {"run": cmd_run, "serve": cmd_serve, "perplexity": cmd_perplexity,
+               "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -1,0 +1,188 @@
+"""POST /v1/chat/completions and /v1/completions, streamed as server-sent events or whole."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse
+
+from .common import (ServerState, event_stream, logprob_items, new_id, refuse_constraint,
+                     respond, sse, total_usage, usage_body)
+from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _include_usage(body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+class _Choices:
+    """Text, logprobs and finish reason of each choice, gathered from events."""
+
+    def __init__(self, events: list[Event]):
+        self.text: dict[int, list[str]] = {}     # the echoed prompt first (or "")
+        self.logprobs: dict[int, list] = {}
+        self.finish: dict[int, str] = {}
+        for ev in events:
+            if isinstance(ev, Started):
+                self.text[ev.index] = [ev.prompt_text or ""]
+                self.logprobs[ev.index] = []
+            elif isinstance(ev, Piece):
+                self.text[ev.index].append(ev.text)
+                self.logprobs[ev.index] += ev.logprobs or []
+            elif isinstance(ev, Finished):
+                self.finish[ev.index] = ev.finish_reason
+
+    def indexes(self) -> list[int]:
+        return sorted(self.text)
+
+
+# ----------------------------------------------------------------------------- chat
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    """Chat completions, as OpenAI's API defines them."""
+    st = _state(request)
+    st.check_model(body.model)
+    st.check_n(body.n)
+    fmt = body.response_format.type if body.response_format else "text"
+    refuse_constraint(fmt, "response_format")
+    sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
+    messages = [m.as_template_message() for m in body.messages]
+    spec = GenerationSpec([Prompt(messages=messages)], sampling, n=body.n, logprobs=body.logprobs,
+                          top_logprobs=body.top_logprobs or 0)
+    job = st.scheduler.submit(spec)
+    head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": st.model_id,
+            "system_fingerprint": st.fingerprint}
+
+    def whole(events: list[Event]) -> JSONResponse:
+        got = _Choices(events)
+        choices = [{"index": i,
+                    "message": {"role": "assistant", "content": "".join(got.text[i]),
+                                "refusal": None},
+                    "logprobs": ({"content": logprob_items(got.logprobs[i]), "refusal": None}
+                                 if body.logprobs else None),
+                    "finish_reason": got.finish.get(i, "length")} for i in got.indexes()]
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                             "usage": usage_body(total_usage(events, body.n))})
+
+    def stream(first: Event):
+        return _chat_stream(first, job, head, body.n, body.logprobs, _include_usage(body))
+    return await respond(job, request, stream if body.stream else None, whole)
+
+
+def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_usage: bool):
+    events: list[Event] = []
+    base = {**head, "object": "chat.completion.chunk"}
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(index: int, delta: dict, finish=None, lps=None) -> str:
+        lp = {"content": logprob_items(lps), "refusal": None} if logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return sse({**base, "choices": [choice]})
+
+    def render(ev: Event) -> list[str]:
+        events.append(ev)
+        if isinstance(ev, Started):
+            return [chunk(ev.index, {"role": "assistant", "content": ""})]
+        if isinstance(ev, Piece):
+            return [chunk(ev.index, {"content": ev.text}, lps=ev.logprobs)] \
+                if ev.text or ev.logprobs else []
+        if isinstance(ev, Finished):
+            return [chunk(ev.index, {}, ev.finish_reason)]
+        return []
+
+    return event_stream(first, job, render, lambda: _closing(base, events, n, include_usage))
+
+
+# ----------------------------------------------------------------------------- completions
+
+def _legacy_logprobs(lps, offset: int) -> dict:
+    """The completions API's logprobs: parallel lists of tokens, their log-probabilities and
+    their character offsets in the choice's text."""
+    tokens, values, offsets, tops = [], [], [], []
+    for t in lps:
+        tokens.append(t.token)
+        values.append(t.logprob)
+        offsets.append(offset)
+        tops.append({a.token: a.logprob for a in t.top})
+        offset += len(t.token)
+    return {"tokens": tokens, "token_logprobs": values,
+            "top_logprobs": tops if any(tops) else None, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    """Text completions (the prompt continued as it is, no chat template)."""
+    st = _state(request)
+    st.check_model(body.model)
+    prompts = body.prompts()
+    st.check_n(body.n * len(prompts))
+    sampling = st.sampling(body, body.max_tokens, body.stop)
+    spec = GenerationSpec([Prompt(text=p, param="prompt") if isinstance(p, str)
+                           else Prompt(ids=p, param="prompt") for p in prompts],
+                          sampling, n=body.n, logprobs=body.logprobs is not None,
+                          top_logprobs=body.logprobs or 0, echo=body.echo)
+    job = st.scheduler.submit(spec)
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
+            "model": st.model_id, "system_fingerprint": st.fingerprint}
+    want_lps = body.logprobs is not None
+
+    def whole(events: list[Event]) -> JSONResponse:
+        got = _Choices(events)
+        choices = []
+        for i in got.indexes():
+            echo = got.text[i][0]
+            choices.append({"index": i, "text": "".join(got.text[i]),
+                            "logprobs": _legacy_logprobs(got.logprobs[i], len(echo)) if want_lps
+                            else None,
+                            "finish_reason": got.finish.get(i, "length")})
+        return JSONResponse({**head, "choices": choices,
+                             "usage": usage_body(total_usage(events, body.n))})
+
+    def stream(first: Event):
+        return _completion_stream(first, job, head, body.n, want_lps, _include_usage(body))
+    return await respond(job, request, stream if body.stream else None, whole)
+
+
+def _completion_stream(first: Event, job, head: dict, n: int, logprobs: bool,
+                       include_usage: bool):
+    events: list[Event] = []
+    offsets: dict[int, int] = {}
+    base = {**head, "usage": None} if include_usage else dict(head)
+
+    def chunk(index: int, text: str, finish=None, lps=None) -> str:
+        lp = None
+        if logprobs:
+            lp = _legacy_logprobs(lps or [], offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(text)
+        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": lp,
+                                         "finish_reason": finish}]})
+
+    def render(ev: Event) -> list[str]:
+        events.append(ev)
+        if isinstance(ev, Started):
+            return [chunk(ev.index, ev.prompt_text)] if ev.prompt_text else []
+        if isinstance(ev, Piece):
+            return [chunk(ev.index, ev.text, lps=ev.logprobs)] if ev.text or ev.logprobs else []
+        if isinstance(ev, Finished):
+            return [chunk(ev.index, "", ev.finish_reason)]
+        return []
+
+    return event_stream(first, job, render, lambda: _closing(base, events, n, include_usage))
+
+
+def _closing(base: dict, events: list[Event], n: int, include_usage: bool) -> list[str]:
+    """After the last choice: the usage chunk if asked for, then [DONE]."""
+    out = []
+    if include_usage:
+        out.append(sse({**base, "choices": [], "usage": usage_body(total_usage(events, n))}))
+    return out + [sse("[DONE]")]

@@ -1,0 +1,275 @@
+"""One worker thread owns the model: it loads it, admits requests from a bounded FIFO queue,
+advances them a chunk at a time, and hands events back to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import APIError, busy
+from .metrics import Gauges, Metrics
+from .runs import Done, Event, Failed, GenerationSpec, JobRun
+
+log = logging.getLogger("localllm.server")
+
+@dataclass
+class Limits:
+    parallel: int = 1       # requests generated together, each on its own sequence
+    max_queue: int = 16     # requests waiting beyond those; past that, 503
+
+
+class Job:
+    """One request's place in the scheduler and its stream of events (read on the loop)."""
+
+    def __init__(self, spec: GenerationSpec, loop: asyncio.AbstractEventLoop,
+                 scheduler: "Scheduler"):
+        self.spec = spec
+        self.submitted = time.perf_counter()
+        self.cancelled = threading.Event()
+        self.run: JobRun | None = None
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._scheduler = scheduler
+
+    def emit(self, event: Event) -> None:
+        """Called on the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    async def next_event(self) -> Event:
+        return await self._events.get()
+
+    def cancel(self) -> None:
+        """The client has gone: stop at the next token and forget the request."""
+        self._scheduler.cancel(self)
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+def _deliver(loop, future: asyncio.Future, value=None, error: BaseException | None = None):
+    def settle():
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
+
+
+class Scheduler:
+    """The model's only user: load it, then serve generation jobs and short calls in turn."""
+
+    def __init__(self, load: Callable[[], Any], limits: Limits, metrics: Metrics,
+                 on_load_failure: Callable[[str], None] | None = None):
+        """Args:
+            load: builds the model (runs on the worker thread, after the server has bound).
+            limits: --parallel and --max-queue.
+            metrics: counters the jobs update.
+            on_load_failure: called with a one-line message if loading fails.
+        """
+        self._load = load
+        self.limits = limits
+        self.metrics = metrics
+        self._on_load_failure = on_load_failure
+        self.model = None
+        self.state = "loading"      # loading | ready | failed | stopping | stopped
+        self.error = ""
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._calls: deque[_Call] = deque()
+        self._thread = threading.Thread(target=self._main, name="localllm-worker", daemon=True)
+
+    # ---- the event loop's side ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def slots(self) -> int:
+        # Each generation owns its Sequence, so generations interleave a token at a time.
+        return max(1, self.limits.parallel)
+
+    def _refuse_unless_ready(self) -> None:
+        if self.state == "loading":
+            raise busy("the model is still loading", retry_after=2)
+        if self.state != "ready":
+            raise APIError(503, "the server is shutting down" if self.state != "failed"
+                           else "the model failed to load", "server_unavailable")
+
+    def submit(self, spec: GenerationSpec) -> Job:
+        """Queue a generation; it starts when a slot is free, in arrival order.
+
+        Raises:
+            APIError: 503 while loading, when stopping, or when the queue is full.
+        """
+        job = Job(spec, asyncio.get_running_loop(), self)
+        with self._cond:
+            self._refuse_unless_ready()
+            if len(self._active) + len(self._waiting) >= self.slots + self.limits.max_queue:
+                self.metrics.rejected()
+                raise busy(f"the server is busy: {len(self._waiting)} requests are waiting "
+                           f"(--max-queue {self.limits.max_queue})")
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(model)`` on the worker between two generation steps, and return its
+        result (tokenizing needs the model, which only the worker may touch)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            self._refuse_unless_ready()
+            self._calls.append(_Call(fn, loop, future))
+            self._cond.notify()
+        return await future
+
+    def cancel(self, job: Job) -> None:
+        with self._cond:
+            job.cancelled.set()
+            if job in self._waiting:
+                self._waiting.remove(job)
+            self._cond.notify()
+
+    def shutdown(self) -> None:
+        """Finish in-flight generations at their next token and refuse the rest.
+        Safe to call from a signal handler: it only sets state and wakes the worker."""
+        if self.state in ("loading", "ready"):
+            self.state = "stopping"
+        with self._cond:
+            self._cond.notify()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def gauges(self, kv=None) -> Gauges:
+        """The scheduler's gauges, with the KV cache's blocks when ``kv`` (KVStats) is given."""
+        with self._cond:
+            g = Gauges(requests_waiting=len(self._waiting), requests_running=len(self._active),
+                       model_loaded=int(self.model is not None))
+        if kv is not None:
+            g.kv_blocks_used, g.kv_blocks_free = kv.blocks_used, kv.blocks_free
+            g.kv_blocks_cached = kv.blocks_cached
+        return g
+
+    # ---- the worker thread ----------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            model = self._load()
+        except Exception as e:  # noqa: BLE001 - any failure is reported in one line
+            self.error = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            self.state = "failed"
+            if self._on_load_failure:
+                self._on_load_failure(self.error)
+            return
+        self.model = model
+        with self._cond:
+            if self.state == "loading":
+                self.state = "ready"
+        while self._turn():
+            pass
+        self.state = "stopped"
+
+    def _turn(self) -> bool:
+        """One pass of the worker: short calls, admissions, one step of each active job.
+        Returns False once the server is stopping and every job has been ended."""
+        with self._cond:
+            while not (self._calls or self._waiting or self._active or self.state == "stopping"):
+                self._cond.wait()
+            calls, self._calls = list(self._calls), deque()
+            stopping = self.state == "stopping"
+            if stopping:
+                waiting, self._waiting = list(self._waiting), deque()
+            else:
+                waiting = []
+                while self._waiting and len(self._active) < self.slots:
+                    self._active.append(self._waiting.popleft())
+            active = list(self._active)
+        for c in calls:
+            self._run_call(c)
+        if stopping:
+            for job in active:
+                if job.run is None:
+                    waiting.append(job)
+                else:
+                    self._end(job, "length")  # cut short by a limit the server set
+            for job in waiting:
+                self._fail(job, APIError(503, "the server is shutting down", "server_unavailable"))
+            return False
+        for job in active:
+            self._step(job)
+        return True
+
+    def _run_call(self, c: _Call) -> None:
+        try:
+            _deliver(c.loop, c.future, c.fn(self.model))
+        except APIError as e:
+            _deliver(c.loop, c.future, error=e)
+        except ValueError as e:
+            _deliver(c.loop, c.future, error=APIError(400, str(e), "invalid_value"))
+        except Exception:  # noqa: BLE001
+            log.exception("internal error in a worker call")
+            _deliver(c.loop, c.future,
+                     error=APIError(500, "internal server error", "internal_error"))
+
+    def _step(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._end(job, None)
+            return
+        try:
+            if job.run is None:
+                job.run = JobRun(self.model, job.spec, self.metrics, job.submitted)
+            events = job.run.step()
+        except APIError as e:
+            self._fail(job, e)
+            return
+        except ValueError as e:  # the engine's word on a request it cannot serve
+            self._fail(job, APIError(400, (str(e).splitlines() or ["invalid request"])[0],
+                                     "invalid_value"))
+            return
+        except Exception:  # noqa: BLE001
+            log.exception("internal error while generating")
+            self._fail(job, APIError(500, "internal server error", "internal_error"))
+            return
+        for ev in events:
+            job.emit(ev)
+        if job.run.done:
+            self._remove(job)
+
+    def _end(self, job: Job, finish_reason: str | None) -> None:
+        """Stop a job's generation now, with final events unless its client is gone."""
+        events = job.run.stop(finish_reason) if job.run is not None else []
+        if finish_reason is not None and not any(isinstance(ev, Done) for ev in events):
+            events.append(Done())
+        for ev in events:
+            job.emit(ev)
+        self._remove(job)
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        if job.run is not None:
+            job.run.stop(None)
+        job.emit(Failed(error))
+        self._remove(job)
+
+    def _remove(self, job: Job) -> None:
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)

@@ -1,0 +1,310 @@
+"""Request bodies of the OpenAI-compatible endpoints as pydantic models: bad input is refused
+with a precise message, harmless unknown fields are ignored, and fields that would change the
+meaning of a request this server cannot honour (tools, audio, images) are refused."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored: clients send many that do not change the answer (user,
+    # metadata, service_tier, store, ...). Those that would change it are declared and refused.
+    model_config = ConfigDict(extra="ignore")
+
+
+# Fields a client may send that would change what the answer means: refused when set.
+UNSUPPORTED = {
+    "tools": "function calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "suffix": "text insertion is not supported by this server",
+    "background": "background responses are not supported by this server",
+    "conversation": "stored conversations are not supported (use previous_response_id)",
+    "prompt": "stored prompt templates are not supported by this server",
+}
+
+
+def _refuse(value, info):
+    if value:
+        raise ValueError(UNSUPPORTED[info.field_name])
+    return value
+
+
+def _no_tool_choice(value):
+    if value not in (None, "none", "auto"):
+        raise ValueError("tool_choice needs tools, which are not supported by this server")
+    return value
+
+
+# ----------------------------------------------------------------------------- messages
+
+class ContentPart(_Body):
+    """One part of a message's content; only text parts can be read by a text model."""
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type in ("text", "input_text", "output_text"):
+            if self.text is None:
+                raise ValueError(f"a {self.type!r} part needs a 'text' field")
+            return self
+        raise ValueError(f"content parts of type {self.type!r} are not supported: "
+                         "this model reads text only")
+
+
+Content = Union[str, list[ContentPart]]
+
+
+def content_text(content: Content | None) -> str:
+    """A message's content as one string (text parts joined by newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.text or "" for p in content)
+
+
+def template_message(role: str, content: Content | None) -> dict:
+    """A message as chat templates take it. 'developer' is the newer name of 'system',
+    which is the only one templates know."""
+    return {"role": "system" if role == "developer" else role, "content": content_text(content)}
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.role in ("tool", "function") or self.tool_calls or self.function_call:
+            raise ValueError("tool and function calls are not supported by this server")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def as_template_message(self) -> dict:
+        return template_message(self.role, self.content)
+
+
+# ----------------------------------------------------------------------------- output format
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """``response_format`` of chat completions."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a 'json_schema' field")
+        return self
+
+
+# ----------------------------------------------------------------------------- sampling
+
+class SamplingFields(_Body):
+    """Sampling fields common to every generating endpoint (OpenAI's, plus llama.cpp's
+    top_k, min_p, repeat_penalty and ignore_eos)."""
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = Field(None, ge=-1, lt=2 ** 64, description="-1: random")
+    ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, v):
+        for k in v or {}:
+            if not k.lstrip("-").isdigit() or int(k) < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        return v
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatFields(SamplingFields):
+    """What chat completions and completions share."""
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+
+class ChatCompletionRequest(ChatFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    # Declared only to be refused when set: each would change what the answer means.
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+
+    _unsupported = field_validator("tools", "functions", "audio", "web_search_options")(_refuse)
+    _tool_choice = field_validator("tool_choice")(_no_tool_choice)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v):
+        if v and set(v) != {"text"}:
+            raise ValueError("only the 'text' modality is supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+
+class CompletionRequest(ChatFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    _unsupported = field_validator("suffix")(_refuse)
+
+    @model_validator(mode="after")
+    def _meaning(self):
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError("best_of other than n is not supported by this server")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list of texts or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+# ----------------------------------------------------------------------------- responses
+
+class InputMessage(_Body):
+    """An input item of the Responses API: a message (the only item type a text model
+    without tools can take)."""
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    id: str | None = None
+    status: str | None = None
+
+    def as_template_message(self) -> dict:
+        return template_message(self.role, self.content)
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class ResponsesRequest(SamplingFields):
+    model: str | None = None
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    store: bool = True
+    text: TextConfig | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+    _unsupported = field_validator("tools", "background", "conversation", "prompt")(_refuse)
+    _tool_choice = field_validator("tool_choice")(_no_tool_choice)
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be empty")
+        return v
+
+    def input_messages(self) -> list[dict]:
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [m.as_template_message() for m in self.input]
+
+
+# ----------------------------------------------------------------------------- tokens
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special: bool = True
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.content is None) == (self.messages is None):
+            raise ValueError("give either 'content' (text) or 'messages' (a conversation)")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
