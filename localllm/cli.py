@@ -1,4 +1,4 @@
-"""The `llm` command: run a prompt, pull, list and inspect models.
+"""The `llm` command: run a prompt, chat, pull, list and inspect models.
 
 Stdout carries only generated text; messages and statistics go to stderr. Every failure is
 one line starting with ``error:`` and a non-zero exit code.
@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(run)
     _add_sampling_options(run)
 
+    chat = sub.add_parser("chat", help="a terminal chat with branching history")
+    chat.add_argument("model", nargs="?", default=None,
+                      help="GGUF path or known model name (default: smollm2-135m, or the "
+                           "resumed conversation's)")
+    chat.add_argument("-sys", "--system", default=None, help="system prompt")
+    which = chat.add_mutually_exclusive_group()
+    which.add_argument("--list", action="store_true", help="list saved conversations and exit")
+    which.add_argument("--resume", nargs="?", const="latest", default=None, metavar="ID",
+                       help="reopen a saved conversation (default: the latest)")
+    _add_model_options(chat)
+    _add_sampling_options(chat)
+
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name")
     pull.add_argument("--models-dir", default=None)
@@ -126,20 +138,26 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
+def _model_settings(args) -> dict:
+    """LoadSettings fields from the model options (shared by run and chat)."""
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    return dict(ctx_size=args.ctx_size, threads=args.threads, batch_size=args.batch_size,
+                chat_template=args.chat_template, models_dir=args.models_dir,
+                weight_cache=not args.no_weight_cache)
+
+
 def cmd_run(args) -> int:
     from .engine import load
     prompt = _read_prompt(args)
     sampling = _sampling(args)
     from .sampling import SamplingParams
     SamplingParams(**sampling).validate()
-    if args.ctx_size < 0:
-        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    settings = _model_settings(args)
     t0 = time.perf_counter()
-    model = load(args.model, ctx_size=args.ctx_size, threads=args.threads,
-                 batch_size=args.batch_size, chat_template=args.chat_template,
-                 models_dir=args.models_dir, weight_cache=not args.no_weight_cache)
+    model = load(args.model, **settings)
     load_s = time.perf_counter() - t0
     # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
@@ -170,6 +188,24 @@ def cmd_run(args) -> int:
               f"seed: {s.seed}\n"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
+
+
+# ----------------------------------------------------------------------------- chat
+
+def cmd_chat(args) -> int:
+    try:
+        from .tui.chat_cli import list_conversations, run_chat
+    except ImportError as e:
+        raise ValueError(f"llm chat needs textual ({e.name} is not installed): "
+                         "pip install 'localllm[chat]'") from None
+    if args.list:
+        return list_conversations()
+    sampling = _sampling(args)
+    from .sampling import SamplingParams
+    SamplingParams(**sampling).validate()
+    if args.n_predict < 0:
+        sampling["max_tokens"] = -1   # until end of text or a full context
+    return run_chat(args.model, _model_settings(args), sampling, args.system, args.resume)
 
 
 # ----------------------------------------------------------------------------- pull / list / inspect
@@ -232,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
-    handler = {"run": cmd_run, "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
+    handler = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "list": cmd_list,
+               "inspect": cmd_inspect}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

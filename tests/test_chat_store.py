@@ -13,6 +13,7 @@ from localllm.tui.config import DEFAULT_KEYS, ConfigError, load_config  # noqa: 
 from localllm.tui.export import ExportError, from_json, read_file, to_json, to_markdown, write_file  # noqa: E402
 from localllm.tui.store import Store, StoreError  # noqa: E402
 from localllm.tui.tree import Conversation, Message  # noqa: E402
+from localllm.tui.widgets import code_blocks  # noqa: E402
 
 
 def branching(store):
@@ -147,6 +148,12 @@ def test_key_config(tmp_path):
     f.write_text('[keys\n')
     with pytest.raises(ConfigError, match="chat.toml"):
         load_config(f)
+
+
+def test_code_blocks():
+    text = "Run:\n\n```python\nprint(1)\n```\n\nor\n\n    indented()\n"
+    assert code_blocks(text) == ["print(1)\n", "indented()\n"]
+    assert code_blocks("no code") == []
 
 
 def test_import_keeps_file_order_of_parents():

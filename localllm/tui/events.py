@@ -1,0 +1,67 @@
+"""Messages between the engine thread and the app, and the request for one turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message as TextualMessage
+
+from .adapter import ChatModel, ContextUsage, Reply
+
+
+@dataclass
+class ReplyRequest:
+    """A turn for the engine thread: an optional new prompt, then a reply."""
+    messages: list[dict]        # what the model sees, ending with the user's message
+    sampling: dict
+    cause: str                  # what changed since the last reply, for the reuse note
+    user_text: str | None       # a new user message to store first; None: regenerate
+    parent_id: int | None       # the new user message's parent, or the user message replied to
+
+
+class Loaded(TextualMessage):
+    def __init__(self, chat_model: ChatModel):
+        super().__init__()
+        self.chat_model = chat_model
+
+
+class ReplyStarted(TextualMessage):
+    def __init__(self, parent_id: int, prompt_tokens: int):
+        super().__init__()
+        self.parent_id, self.prompt_tokens = parent_id, prompt_tokens
+
+
+class ReplyChunk(TextualMessage):
+    def __init__(self, text: str, tokens: int):
+        super().__init__()
+        self.text, self.tokens = text, tokens
+
+
+class ReplyDone(TextualMessage):
+    def __init__(self, parent_id: int, reply: Reply):
+        super().__init__()
+        self.parent_id, self.reply = parent_id, reply
+
+
+class ContextFull(TextualMessage):
+    def __init__(self, request: ReplyRequest, needed: int, drop_hint: int | None):
+        super().__init__()
+        self.request, self.needed, self.drop_hint = request, needed, drop_hint
+
+
+class Counted(TextualMessage):
+    def __init__(self, usage: ContextUsage):
+        super().__init__()
+        self.usage = usage
+
+
+class EngineFailed(TextualMessage):
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.error = error
+
+
+class SummaryDone(TextualMessage):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
