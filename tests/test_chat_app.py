@@ -68,6 +68,7 @@ async def until(pilot, cond, timeout=300.0):
 async def say(pilot, text):
     """Type a message (or command) into the prompt box and press Enter."""
     app = pilot.app
+    app.prompt_box.focus()
     app.prompt_box.set_text(text)
     await pilot.press("enter")
     await pilot.pause()
@@ -110,6 +111,8 @@ def test_two_messages_stream_and_the_second_reuses_the_first(make_app, model):
         assert f"reused {s.cached_tokens}/{s.prompt_tokens} prompt tokens" in status(app)
         assert "CPU 30/30 layers" in status(app) and f"/{CTX}" in status(app)
         assert s.reuse_note == ""
+        await say(pilot, "/stats")
+        assert f"prompt {s.prompt_tokens} tokens, {s.cached_tokens} reused" in notes(app)[-1]
     drive(app, script)
 
 
@@ -135,6 +138,23 @@ def test_escape_stops_a_reply_and_keeps_its_text(make_app):
     drive(app, script)
 
 
+def test_ctrl_c_stops_once_and_quits_twice(make_app):
+    app = make_app(sampling={"max_tokens": 300})
+
+    async def script(pilot):
+        app.prompt_box.set_text("Write a long story about a dragon who learns to bake bread.")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chunks >= 3)
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: not app.generating)
+        assert app.conv.path()[-1].meta["finish_reason"] == "cancelled"
+        assert app.return_code is None     # one Ctrl+C only stops the reply
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app.return_code == 0      # exit() was called: the app is closing
+    drive(app, script)
+
+
 def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
     app = make_app()
 
@@ -154,6 +174,14 @@ def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
         assert shown(app)[-1] == ("assistant", first.content)
         assert "1/2" in str(app.message_views()[-1].header.render())
         await say(pilot, "/branch 2")
+        assert app.conv.path()[-1].id == second.id
+        await pilot.press("alt+up")             # onto the reply: Alt+Left switches that one
+        await pilot.press("alt+left")
+        await pilot.pause()
+        assert app.conv.path()[-1].id == first.id
+        assert app.focused.message.id == first.id
+        await pilot.press("alt+right")
+        await pilot.pause()
         assert app.conv.path()[-1].id == second.id
         await say(pilot, "/branch")
         assert "message 2 (reply): branch 2 of 2" in notes(app)[-1]
@@ -194,6 +222,24 @@ def test_edit_makes_a_branch_at_that_message(make_app):
         first = app.conv.children[None]
         assert len(first) == 2     # the old message and its turns are kept
         assert "recomputed" not in status(app) or "edited message" in status(app)
+    drive(app, script)
+
+
+def test_summary_starts_a_new_branch_from_it(make_app):
+    app = make_app()
+
+    async def script(pilot):
+        await say(pilot, "My name is Ada and I like rivers.")
+        await say(pilot, "/summary")
+        box = app.prompt_box.text
+        assert box.startswith("Summary of our conversation so far:\n\n") and app.new_root
+        summary = box.split("\n\n", 1)[1].strip()
+        assert summary and "new branch" in status(app)
+        await say(pilot, box + "What do I like?")
+        first = app.conv.children[None]
+        assert len(first) == 2                     # the old branch is kept beside the new
+        assert app.conv.path()[0].content.startswith("Summary of our conversation so far:")
+        assert app.conv.path()[-1].role == "assistant" and not app.new_root
     drive(app, script)
 
 

@@ -255,7 +255,9 @@ class ChatCommands:
         if not self.can_generate():
             return
         cm, messages = self.chat_model, self.conv.prompt()
-        sampling = dict(self.sampling(), max_tokens=SUMMARY_TOKENS)
+        sampling = self.sampling()
+        limit = sampling.get("max_tokens", -1)   # the user's reply limit bounds it too
+        sampling["max_tokens"] = SUMMARY_TOKENS if limit < 0 else min(limit, SUMMARY_TOKENS)
         self.generating = True
         self.cancel.clear()
         await self.note("Summarizing this branch…", key="summary")
@@ -264,7 +266,7 @@ class ChatCommands:
             system = messages[:1] if messages and messages[0]["role"] == "system" else []
             turns = messages[len(system):]
             ask = [{"role": "user", "content": SUMMARY_REQUEST}]
-            while turns and cm.count(system + turns + ask) + SUMMARY_TOKENS > cm.info.ctx:
+            while turns and cm.count(system + turns + ask) + sampling["max_tokens"] > cm.info.ctx:
                 turns = turns[2:]   # the oldest turns that no longer fit
             reply = cm.reply(system + turns + ask, sampling, self.cancel, lambda text, n: None,
                              "summary")
