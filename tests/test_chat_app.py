@@ -156,10 +156,10 @@ def test_ctrl_c_stops_once_and_quits_twice(make_app):
 
 
 def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
-    app = make_app()
+    app = make_app(sampling={"max_tokens": 24})
 
     async def script(pilot):
-        await say(pilot, "Name a colour.")
+        await say(pilot, "Tell me about dragons.")
         first = app.conv.path()[-1]
         await say(pilot, "/set temp 1.5")
         await say(pilot, "/set seed 3")
@@ -187,6 +187,17 @@ def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
         assert "message 2 (reply): branch 2 of 2" in notes(app)[-1]
         # The selection is saved: reopening shows the same branch.
         assert Store(app.options.database).load(app.conv.id).path()[-1].id == second.id
+        # Going on from the first branch: either the engine still has its KV (only the new
+        # turn is computed), or the status bar says why it computed the branch again (today:
+        # one cache, which holds the second branch).
+        await pilot.press("alt+left")
+        await say(pilot, "Go on.")
+        s = app.last_stats
+        if s.reuse_note:
+            assert s.reuse_note.startswith("branch switch: ") and "computed again" in s.reuse_note
+            assert "recomputed: branch switch" in status(app)
+        else:
+            assert s.prompt_tokens - s.cached_tokens <= 16 + 8
     drive(app, script)
 
 
@@ -372,3 +383,24 @@ def test_copy_a_message_and_its_code(make_app, tmp_path):
         await say(pilot, "/copy code 1")
         assert app.clipboard == "print('hi')\n"
     drive(app, script)
+
+
+def test_a_model_that_does_not_load_is_reported_and_nothing_is_sent(tmp_path):
+    import localllm
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 60)
+    app = ChatApp(ChatOptions(load=lambda: localllm.load(bad), model_label=str(bad),
+                              database=tmp_path / "chat.db", clipboard=tmp_path / "clip.txt",
+                              sampling={"temperature": 0.0, "max_tokens": 8}))
+
+    async def main():
+        async with app.run_test() as pilot:
+            await until(pilot, lambda: any(n.startswith("error") for n in notes(app)))
+            assert app.load_error and notes(app)[-1].startswith(f"error: cannot load {bad}: ")
+            assert "\n" not in notes(app)[-1]
+            app.prompt_box.set_text("Hello?")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.conv.messages == {} and app.prompt_box.text == "Hello?"
+            assert "the model did not load" in status(app)
+    asyncio.run(main())

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+# Prompt tokens the engine may recompute on any turn: its prefix cache keeps whole blocks of
+# this many tokens (m.kv_stats().block_size, once the engine reports it).
+REUSE_BLOCK = 16
+
+
 @dataclass
 class ModelInfo:
     """What the status bar says about the loaded model."""
@@ -160,10 +165,11 @@ class ChatModel:
         common = _common_prefix(held, ids)
         best = max(_common_prefix(s, ids) for s in self._seen)
         limit = len(ids) - 1     # the last prompt token always runs, to give logits
-        # The last token of a reply is sampled but never run, so one token is always redone.
+        # The last token of a reply is sampled but never run, and the engine's prefix cache
+        # reuses whole blocks: a partial block is always redone.
         redone = min(best, limit) - cached
         lead = f"{cause}: " if cause else ""
-        if redone > 1:
+        if redone > REUSE_BLOCK:
             return (f"{lead}{redone} tokens computed for another branch were computed again "
                     f"(the cache held a branch sharing {common} tokens)")
         if common < min(len(held), limit):

@@ -95,6 +95,7 @@ class ChatApp(ChatCommands, App):
         self.pending_text = ""                  # a message sent back to the box by a full context
         self._load_started = time.perf_counter()
         self._last_interrupt = 0.0
+        self.load_error = ""
         self.keys = {**DEFAULT_KEYS, **options.keys}
         self.set_keymap({f"chat.{k}": v for k, v in self.keys.items()})
 
@@ -176,8 +177,8 @@ class ChatApp(ChatCommands, App):
         self.log_view.scroll_end(animate=False)
 
     def refresh_header(self, view: MessageView) -> None:
-        if view.message is None:
-            view.set_header(writing=True)
+        if view.message is None:   # not stored yet: a reply being written, or its prompt
+            view.set_header(writing=view.role == "assistant")
             return
         sibs = self.conv.siblings(view.message.id)
         view.set_header(sibs.index(view.message.id) + 1, len(sibs))
@@ -196,7 +197,9 @@ class ChatApp(ChatCommands, App):
 
     def update_status(self) -> None:
         info = self.chat_model.info if self.chat_model else None
-        if info is None:
+        if self.load_error:
+            state = f"the model did not load: {self.load_error}"
+        elif info is None:
             state = (f"loading {self.options.model_label}… "
                      f"{time.perf_counter() - self._load_started:.0f} s (a first run compiles "
                      "the kernels: about a minute)")
@@ -239,6 +242,9 @@ class ChatApp(ChatCommands, App):
         await self.send(text)
 
     def can_generate(self) -> bool:
+        if self.load_error:
+            self.notify(f"The model did not load: {self.load_error}", severity="error")
+            return False
         if self.chat_model is None:
             self.notify("The model is still loading.", severity="warning")
             return False
@@ -262,8 +268,7 @@ class ChatApp(ChatCommands, App):
             parent_id = head.id if head else None
         path = self.path_to(parent_id)
         await self.show_conversation(path)
-        view = MessageView("user", None)
-        view._text = text
+        view = MessageView("user", text=text)
         await self.log_view.mount(view)
         self.refresh_header(view)
         messages = self.conv.prompt(path) + [{"role": "user", "content": text}]
@@ -327,7 +332,7 @@ class ChatApp(ChatCommands, App):
 
     async def on_reply_started(self, event: ReplyStarted) -> None:
         await self.show_conversation(self.path_to(event.parent_id))
-        view = MessageView("assistant", None)
+        view = MessageView("assistant")
         await self.log_view.mount(view)
         self.refresh_header(view)
         await view.start_stream()
@@ -399,6 +404,7 @@ class ChatApp(ChatCommands, App):
         err = event.error
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if self.chat_model is None:
+            self.load_error = msg
             await self.remove_note("loading")
             await self.note(f"error: cannot load {self.options.model_label}: {msg}", error=True)
         else:

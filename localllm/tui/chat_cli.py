@@ -85,4 +85,4 @@ def run_chat(model: str | None, settings: dict, sampling: dict, system: str | No
     if app.conv.id:
         print(f"conversation {app.conv.id} saved: llm chat --resume {app.conv.id}",
               file=sys.stderr)
-    return 0
+    return app.return_code or 0

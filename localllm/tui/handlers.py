@@ -108,7 +108,7 @@ class ChatCommands:
         self.start_edit(users[-1] if n is None else users[n - 1])
 
     def start_edit(self, msg: Message) -> None:
-        self.editing = msg
+        self.editing, self.new_root = msg, False
         self.prompt_box.set_text(msg.content)
         self.prompt_box.focus()
         self.update_status()
@@ -278,7 +278,7 @@ class ChatCommands:
         await self.remove_note("summary")
         pending = self.pending_text
         self.pending_text = ""
-        self.new_root = True
+        self.new_root, self.editing = True, None
         self.prompt_box.set_text(f"Summary of our conversation so far:\n\n{event.text}\n\n{pending}")
         self.prompt_box.focus()
         await self.note("The summary is in the box: edit it, add your message, and Enter "

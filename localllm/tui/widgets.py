@@ -112,7 +112,12 @@ class MessageView(Vertical, can_focus=True):
         Binding(DEFAULT_KEYS["regen"], "app.regen_message", "Regenerate", id="chat.regen"),
     ]
 
-    def __init__(self, role: str, message: Message | None = None):
+    def __init__(self, role: str, message: Message | None = None, text: str = ""):
+        """Args:
+            role: user or assistant.
+            message: the stored message; None while it is being written.
+            text: the text to show when there is no stored message yet.
+        """
         super().__init__(classes=role)
         self.role = role
         self.message = message
@@ -120,7 +125,7 @@ class MessageView(Vertical, can_focus=True):
         self.body: Markdown | Static = (Markdown("", classes="body") if role == "assistant"
                                         else Static("", classes="body", markup=False))
         self._stream = None
-        self._text = message.content if message else ""
+        self._text = message.content if message else text
 
     def compose(self):
         yield self.header
