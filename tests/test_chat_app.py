@@ -187,17 +187,14 @@ def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
         assert "message 2 (reply): branch 2 of 2" in notes(app)[-1]
         # The selection is saved: reopening shows the same branch.
         assert Store(app.options.database).load(app.conv.id).path()[-1].id == second.id
-        # Going on from the first branch: either the engine still has its KV (only the new
-        # turn is computed), or the status bar says why it computed the branch again (today:
-        # one cache, which holds the second branch).
+        # Going on from the first branch: its tip kept its own KV (the second branch was a
+        # fork), so only the new turn is computed.
         await pilot.press("alt+left")
         await say(pilot, "Go on.")
         s = app.last_stats
-        if s.reuse_note:
-            assert s.reuse_note.startswith("branch switch: ") and "computed again" in s.reuse_note
-            assert "recomputed: branch switch" in status(app)
-        else:
-            assert s.prompt_tokens - s.cached_tokens <= 16 + 8
+        assert s.reuse_note == "" and "recomputed" not in status(app)
+        # everything of the first branch but its reply's last token (sampled, never run)
+        assert s.cached_tokens >= first.meta["prompt_tokens"] + first.meta["generated_tokens"] - 1
     drive(app, script)
 
 
@@ -232,7 +229,13 @@ def test_edit_makes_a_branch_at_that_message(make_app):
         assert [m.content for m in path[:1]] == ["Good morning."] and len(path) == 2
         first = app.conv.children[None]
         assert len(first) == 2     # the old message and its turns are kept
-        assert "recomputed" not in status(app) or "edited message" in status(app)
+        assert app.last_stats.reuse_note == ""    # a fork at the edit: nothing recomputed
+        # A new system prompt changes the start of the history: said, not hidden.
+        await say(pilot, "/system Answer like a pirate.")
+        await say(pilot, "Thanks.")
+        note = app.last_stats.reuse_note
+        assert note.startswith("the system prompt changed: the prompt differs from the cached")
+        assert "recomputed: the system prompt changed" in status(app)
     drive(app, script)
 
 

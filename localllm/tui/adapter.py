@@ -1,24 +1,30 @@
 """The one place the chat talks to the engine: a worker thread that owns the model, and
 ChatModel, which turns a branch's messages into a streamed reply with its statistics.
 
-Today each reply goes through ``m.generate(ids)`` and the engine's prefix cache reuses the
-shared prefix; when sequences land, each branch tip keeps its own Sequence (forked at the
-branch point), and only this module changes.
+Each branch tip keeps its own engine Sequence: a turn continues the tip it extends, and a
+new branch (a regenerated reply, an edited message) forks the closest tip, sharing the KV
+of the common prefix copy-on-write, so moving between branches recomputes nothing.
 """
 
 from __future__ import annotations
 
 import queue
-from collections import deque
 import threading
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
+# What the app did before a turn (ReplyRequest.cause), as the reuse note names it; the
+# history changes make every token after the change new, the rest are branch moves.
+CAUSES = {"branch": "branch switch", "edit": "edited message", "regen": "regenerated reply",
+          "summary": "new branch from a summary", "load": "another conversation",
+          "system": "the system prompt changed", "drop": "turns were dropped from the context"}
+HISTORY_CHANGES = ("system", "drop")
 
-# Prompt tokens the engine may recompute on any turn: its prefix cache keeps whole blocks of
-# this many tokens (m.kv_stats().block_size, once the engine reports it).
-REUSE_BLOCK = 16
+# Kept branch tips: beyond this, or when the KV pool runs short, the least recently used
+# tips are released (their full blocks stay in the engine's prefix cache).
+MAX_TIPS = 8
 
 
 @dataclass
@@ -33,7 +39,7 @@ class ModelInfo:
 
 @dataclass
 class ContextUsage:
-    """Tokens in the context and the KV memory they take."""
+    """Tokens in the context, and the KV memory of every kept branch in the engine's pool."""
     used: int
     limit: int
     kv_bytes: int
@@ -62,9 +68,10 @@ class ReplyStats:
 class Reply:
     text: str
     stats: ReplyStats
+    usage: ContextUsage
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a, b) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -80,22 +87,20 @@ class ChatModel:
         """Args:
             model: a localllm Model (from ``localllm.load``).
         """
-        from ..inspect import KV_BYTES_PER_VALUE, describe
+        from ..inspect import describe
         self.model = model
-        desc = describe(model.file)
-        quant = desc["quant"]
+        quant = describe(model.file)["quant"]
         stem = model.path.stem
         name = stem[: -len(quant) - 1] if stem.lower().endswith("." + quant.lower()) else stem
-        n = model.args.n_layers
+        per_backend = Counter(layer.backend.name.upper() for layer in model.net.layers)
+        n = len(model.net.layers)
         self.info = ModelInfo(name=name, quant=quant,
-                              placement=f"{model.backend.name.upper()} {n}/{n} layers",
+                              placement=" · ".join(f"{b} {k}/{n} layers"
+                                                   for b, k in per_backend.items()),
                               ctx=model.ctx, load_seconds=model.load_seconds)
-        # Until the engine reports its KV pool (m.kv_stats()), the per-token size from the
-        # file's dimensions and the CPU cache's float16 layout.
-        self._kv_per_token = desc["kv_bytes_per_1k"] // 1000
-        self._kv_type = {2: "f16", 4: "f32"}.get(KV_BYTES_PER_VALUE, f"{KV_BYTES_PER_VALUE} B")
-        # Token sequences of recent replies (prompt + reply), the latest last: what the
-        # engine has computed, to tell reused, new and recomputed prompt tokens apart.
+        self._tips: list = []        # Sequences at branch tips, least recently used first
+        # Token sequences of recent replies (prompt + reply): what was computed before, to
+        # tell reused, new and recomputed prompt tokens apart.
         self._seen: deque[list[int]] = deque(maxlen=32)
 
     def count(self, messages: list[dict]) -> int:
@@ -103,79 +108,125 @@ class ChatModel:
         return len(self.model.chat_tokens(messages)) if messages else 0
 
     def context(self, used: int) -> ContextUsage:
-        return ContextUsage(used=used, limit=self.model.ctx,
-                            kv_bytes=used * self._kv_per_token,
-                            kv_limit_bytes=self.model.ctx * self._kv_per_token,
-                            kv_type=self._kv_type)
+        k = self.model.kv_stats()
+        kv_type = k.k_type if k.k_type == k.v_type else f"{k.k_type}/{k.v_type}"
+        return ContextUsage(used=used, limit=self.model.ctx, kv_bytes=k.used_bytes,
+                            kv_limit_bytes=k.blocks_total * k.block_size * k.bytes_per_token,
+                            kv_type=kv_type)
 
     def reply(self, messages: list[dict], sampling: dict, cancel: threading.Event,
-              on_chunk: Callable[[str, int], None], cause: str = "") -> Reply:
+              on_chunk: Callable[[str, int, ContextUsage], None], cause: str = "") -> Reply:
         """Stream the assistant's answer to ``messages``.
 
         Args:
             messages: the chat so far (system prompt first, if any).
             sampling: SamplingParams fields; max_tokens < 0 means until the context is full.
             cancel: set by the UI to stop; the text so far is kept.
-            on_chunk: called with each piece of text and the tokens generated so far.
-            cause: what changed the conversation since the last reply (branch switch, edit,
-                system prompt), used to explain recomputed tokens.
+            on_chunk: called with each piece of text, the tokens generated so far and the
+                context in use.
+            cause: a key of CAUSES (or ""): what the app did before this turn, to explain
+                recomputed tokens.
         Returns:
-            The reply text and its statistics.
+            The reply text, its statistics and the context in use after it.
         """
         ids = self.model.chat_tokens(messages)
         params = dict(sampling)
         if params.get("max_tokens", -1) < 0:
             params["max_tokens"] = max(self.model.ctx - len(ids), 0)
-        gen = self.model.generate(ids, **params)
+        seq, base = self._sequence_for(ids, params["max_tokens"])
         t0 = time.perf_counter()
         pieces: list[str] = []
         tokens: list[int] = []
         t_first = t_last = 0.0
         cancelled = False
         try:
-            for chunk in gen:
-                t_last = time.perf_counter()
-                t_first = t_first or t_last
-                pieces.append(str(chunk))
-                tokens.extend(chunk.tokens)
-                on_chunk(str(chunk), len(tokens))
-                if cancel.is_set():
-                    cancelled = True
-                    break
+            gen = self.model.generate(ids, seq=seq, **params)
+            try:
+                for chunk in gen:
+                    t_last = time.perf_counter()
+                    t_first = t_first or t_last
+                    pieces.append(str(chunk))
+                    tokens.extend(chunk.tokens)
+                    on_chunk(str(chunk), len(tokens), self.context(len(ids) + len(tokens)))
+                    if cancel.is_set():
+                        cancelled = True
+                        break
+            finally:
+                gen.close()
         finally:
-            gen.close()
-        s = self.model.last_stats
+            self._keep(seq)
+        s = gen.stats
+        finish = "cancelled" if cancelled else s.finish_reason
+        if finish == "length" and len(ids) + len(tokens) >= self.model.ctx:
+            finish = "context"
         stats = ReplyStats(prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                            prompt_tps=s.prompt_tps, generated_tokens=len(tokens),
                            time_to_first_token=(t_first - t0) if t_first else 0.0,
-                           finish_reason="cancelled" if cancelled else s.finish_reason,
-                           seed=s.seed)
+                           finish_reason=finish, seed=s.seed)
         stats.generate_tps = s.generate_tps if not cancelled else (
             (len(tokens) - 1) / (t_last - t_first) if len(tokens) > 1 and t_last > t_first
             else 0.0)
-        stats.reuse_note = self._reuse_note(ids, s.cached_tokens, cause)
+        stats.reuse_note = self._reuse_note(ids, base, s.cached_tokens, cause)
         self._seen.append(ids + tokens)
-        return Reply("".join(pieces), stats)
+        return Reply("".join(pieces), stats, self.context(len(ids) + len(tokens)))
 
-    def _reuse_note(self, ids: list[int], cached: int, cause: str) -> str:
-        """Why prompt tokens that the engine could have known were run again, if any were."""
+    def _sequence_for(self, ids: list[int], max_tokens: int):
+        """The Sequence to run ``ids`` on, and the tokens it held: the tip sharing the
+        longest prefix, itself when ``ids`` extends it, else a fork of it (the tip stays
+        for its own branch)."""
+        best, n = None, 0
+        for tip in self._tips:
+            k = _common_prefix(tip.tokens, ids)
+            if k > n:
+                best, n = tip, k
+        if best is None:
+            seq, base = self.model.new_sequence(), []
+        elif n >= len(best):
+            self._tips.remove(best)
+            seq, base = best, list(best.tokens)
+        else:
+            seq, base = best.fork(), list(best.tokens)
+        self._make_room(len(ids) - n + max_tokens)
+        return seq, base
+
+    def _make_room(self, tokens: int) -> None:
+        """Release the least recently used tips while the pool has less room than
+        ``tokens`` (at most a context) in free or merely cached blocks."""
+        need = min(tokens, self.model.ctx)
+        while self._tips:
+            k = self.model.kv_stats()
+            if (k.blocks_free + k.blocks_cached) * k.block_size >= need:
+                return
+            self._tips.pop(0).release()
+
+    def _keep(self, seq) -> None:
+        """Make ``seq`` the most recent tip; drop tips it makes redundant (a prefix of it)."""
+        tokens = seq.tokens
+        for tip in list(self._tips):
+            if len(tip) <= len(tokens) and tokens[:len(tip)] == tip.tokens:
+                self._tips.remove(tip)
+                tip.release()
+        self._tips.append(seq)
+        while len(self._tips) > MAX_TIPS:
+            self._tips.pop(0).release()
+
+    def _reuse_note(self, ids: list[int], base: list[int], cached: int, cause: str) -> str:
+        """Why prompt tokens that were computed before were run again, if any were."""
         if not self._seen:
             return ""
-        held = self._seen[-1]
-        common = _common_prefix(held, ids)
         best = max(_common_prefix(s, ids) for s in self._seen)
-        limit = len(ids) - 1     # the last prompt token always runs, to give logits
-        # The last token of a reply is sampled but never run, and the engine's prefix cache
-        # reuses whole blocks: a partial block is always redone.
-        redone = min(best, limit) - cached
-        lead = f"{cause}: " if cause else ""
-        if redone > REUSE_BLOCK:
-            return (f"{lead}{redone} tokens computed for another branch were computed again "
-                    f"(the cache held a branch sharing {common} tokens)")
-        if common < min(len(held), limit):
-            return lead + (f"the prompt changes from token {common}" if cause else
-                           f"the chat template renders the history differently from token "
-                           f"{common}")
+        # The last prompt token always runs; the last token of a reply is sampled, never run.
+        redone = min(best, len(ids) - 1) - cached - 1
+        lead = f"{CAUSES[cause]}: " if cause else ""
+        if redone > 0:
+            return (f"{lead}{redone} tokens computed before were computed again (their "
+                    "branch's KV was no longer kept)")
+        common = _common_prefix(base, ids)
+        if common < len(base) and cause in HISTORY_CHANGES:
+            return f"{lead}the prompt differs from the cached one from token {common}"
+        if common < len(base) and not cause:
+            return ("the chat template renders the history differently from how it was "
+                    f"generated, from token {common}")
         return ""
 
 

@@ -87,11 +87,10 @@ class ChatApp(ChatCommands, App):
         self.generating = False
         self.editing: Message | None = None     # a user message being rewritten as a branch
         self.new_root = False                   # the next message starts a top-level branch
-        self.cause = ""                         # why the next prompt differs from the cache
+        self.cause = ""                         # what changed before the next turn (CAUSES)
         self.last_stats: ReplyStats | None = None
         self.usage: ContextUsage | None = None
         self._stream_view: MessageView | None = None
-        self._reply_prompt_tokens = 0
         self.pending_text = ""                  # a message sent back to the box by a full context
         self._load_started = time.perf_counter()
         self._last_interrupt = 0.0
@@ -259,9 +258,9 @@ class ChatApp(ChatCommands, App):
         head = self.conv.head()
         cause = self.cause
         if self.new_root:
-            parent_id, cause = None, "new branch from a summary"
+            parent_id, cause = None, "summary"
         elif self.editing is not None:
-            parent_id, cause = self.editing.parent_id, "edited message"
+            parent_id, cause = self.editing.parent_id, "edit"
         elif head is not None and head.role == "user":
             parent_id = head.parent_id
         else:
@@ -289,7 +288,7 @@ class ChatApp(ChatCommands, App):
         return {**self.options.sampling, **self.conv.settings}
 
     def start_reply(self, req: ReplyRequest) -> None:
-        self.generating = True
+        self.generating, self.cause = True, ""
         self.cancel.clear()
         self.update_status()
         self.engine.submit(lambda: self._reply_job(req))
@@ -306,9 +305,10 @@ class ChatApp(ChatCommands, App):
         parent_id = req.parent_id
         if req.user_text is not None:
             parent_id = self.call_from_thread(self._store_user, req).id
-        self.post_message(ReplyStarted(parent_id, needed))
+        self.post_message(ReplyStarted(parent_id, cm.context(needed)))
         reply = cm.reply(req.messages, req.sampling, self.cancel,
-                         lambda text, n: self.post_message(ReplyChunk(text, n)), req.cause)
+                         lambda text, n, usage: self.post_message(ReplyChunk(text, n, usage)),
+                         req.cause)
         self.post_message(ReplyDone(parent_id, reply))
 
     def _drop_hint(self, messages: list[dict]) -> int | None:
@@ -327,7 +327,7 @@ class ChatApp(ChatCommands, App):
         view = self.message_views()[-1]
         view.message = msg
         self.refresh_header(view)
-        self.editing, self.new_root, self.cause = None, False, ""
+        self.editing, self.new_root = None, False
         return msg
 
     async def on_reply_started(self, event: ReplyStarted) -> None:
@@ -337,9 +337,7 @@ class ChatApp(ChatCommands, App):
         self.refresh_header(view)
         await view.start_stream()
         self._stream_view = view
-        self._reply_prompt_tokens = event.prompt_tokens
-        if self.chat_model is not None:
-            self.usage = self.chat_model.context(event.prompt_tokens)
+        self.usage = event.usage
 
     async def on_reply_chunk(self, event: ReplyChunk) -> None:
         log = self.log_view
@@ -349,8 +347,7 @@ class ChatApp(ChatCommands, App):
             await self._stream_view.write(event.text)
         if following:
             log.scroll_end(animate=False)
-        if self.chat_model is not None:
-            self.usage = self.chat_model.context(self._reply_prompt_tokens + event.tokens)
+        self.usage = event.usage
 
     async def on_reply_done(self, event: ReplyDone) -> None:
         view, self._stream_view = self._stream_view, None
@@ -368,9 +365,7 @@ class ChatApp(ChatCommands, App):
             await view.remove()
             await self.note("Stopped before any text was written; /regen tries again.")
         self.last_stats = reply.stats
-        if self.chat_model is not None:
-            self.usage = self.chat_model.context(reply.stats.prompt_tokens
-                                                 + reply.stats.generated_tokens)
+        self.usage = reply.usage
         if reply.stats.finish_reason == "context":
             await self.note(self.context_full_text(), error=True)
         self.update_status()

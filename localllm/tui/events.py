@@ -26,15 +26,15 @@ class Loaded(TextualMessage):
 
 
 class ReplyStarted(TextualMessage):
-    def __init__(self, parent_id: int, prompt_tokens: int):
+    def __init__(self, parent_id: int, usage: ContextUsage):
         super().__init__()
-        self.parent_id, self.prompt_tokens = parent_id, prompt_tokens
+        self.parent_id, self.usage = parent_id, usage
 
 
 class ReplyChunk(TextualMessage):
-    def __init__(self, text: str, tokens: int):
+    def __init__(self, text: str, tokens: int, usage: ContextUsage):
         super().__init__()
-        self.text, self.tokens = text, tokens
+        self.text, self.tokens, self.usage = text, tokens, usage
 
 
 class ReplyDone(TextualMessage):

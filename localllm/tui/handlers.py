@@ -78,7 +78,7 @@ class ChatCommands:
                             else "No system prompt. /system TEXT sets one.")
             return
         self.conv.system = "" if args == "off" else args
-        self.cause = "the system prompt changed"
+        self.cause = "system"
         self.store.save_state(self.conv)
         await self.note("System prompt removed." if args == "off" else
                         "System prompt set; it applies from the next reply.")
@@ -96,7 +96,8 @@ class ChatCommands:
             return
         self.conv.select(user_msg.id)
         self.start_reply(ReplyRequest(self.conv.prompt(self.path_to(user_msg.id)),
-                                      self.sampling(), self.cause, None, user_msg.id))
+                                      self.sampling(), self.cause or "regen", None,
+                                      user_msg.id))
 
     async def cmd_edit(self, args: str) -> None:
         users = [m for m in self.conv.path() if m.role == "user"]
@@ -136,7 +137,7 @@ class ChatCommands:
     async def switch_to(self, msg_id: int) -> None:
         self.conv.select(msg_id)
         self.store.save_state(self.conv)
-        self.cause = "branch switch"
+        self.cause = "branch"
         await self.show_conversation()
         for v in self.message_views():
             if v.message is not None and v.message.id == msg_id:
@@ -184,7 +185,7 @@ class ChatCommands:
         if not args:
             raise CommandError(cmds.usage("load"))
         self.conv = self.store.import_conversation(read_file(args))
-        self.editing, self.new_root, self.cause = None, False, "another conversation"
+        self.editing, self.new_root, self.cause = None, False, "load"
         await self.show_conversation()
         await self.note(f"Loaded {args} as conversation {self.conv.id} "
                         f"({len(self.conv.messages)} messages).")
@@ -237,7 +238,7 @@ class ChatCommands:
             dropped = seen <= n
             if bool(m.meta.get("dropped")) != dropped:
                 self.store.set_meta(self.conv, m, dropped=dropped)
-        self.cause = "turns dropped from the context"
+        self.cause = "drop"
         await self.show_conversation()
         await self.note(f"The oldest {n} turns are left out of the context (still saved)."
                         if n else "Every turn is in the context again.")
@@ -268,8 +269,8 @@ class ChatCommands:
             ask = [{"role": "user", "content": SUMMARY_REQUEST}]
             while turns and cm.count(system + turns + ask) + sampling["max_tokens"] > cm.info.ctx:
                 turns = turns[2:]   # the oldest turns that no longer fit
-            reply = cm.reply(system + turns + ask, sampling, self.cancel, lambda text, n: None,
-                             "summary")
+            reply = cm.reply(system + turns + ask, sampling, self.cancel,
+                             lambda text, n, usage: None, "summary")
             self.post_message(SummaryDone(reply.text.strip()))
         self.engine.submit(job)
 
