@@ -6,29 +6,19 @@ import argparse
 import asyncio
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import localllm
 from localllm.tui.app import ChatApp, ChatOptions
+from localllm.tui.pilot import say as pilot_say
+from localllm.tui.pilot import until
 
 TURNS = ["Write a Python function that adds two numbers.",
          "Now say in one sentence what it does."]
 
 
-async def until(pilot, cond, timeout=600.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError("the app did not get there in time")
-        await pilot.pause(0.05)
-
-
 async def say(pilot, text):
-    pilot.app.prompt_box.set_text(text)
-    await pilot.press("enter")
-    await pilot.pause()
-    await until(pilot, lambda: not pilot.app.generating)
+    await pilot_say(pilot, text, timeout=600.0)
     await pilot.pause(0.5)   # let the last Markdown update render
 
 

@@ -3,7 +3,6 @@ stopping, branches, settings, files, a full context, keys and copies."""
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -11,6 +10,7 @@ pytest.importorskip("textual", reason="llm chat needs the chat extra (textual)")
 
 from localllm.tui.app import ChatApp, ChatOptions  # noqa: E402
 from localllm.tui.export import to_json  # noqa: E402
+from localllm.tui.pilot import say, until  # noqa: E402
 from localllm.tui.store import Store  # noqa: E402
 from localllm.tui.widgets import MessageView, NoteView  # noqa: E402
 
@@ -55,24 +55,6 @@ def drive(app, script, size=(100, 40)):
             await until(pilot, lambda: app.chat_model is not None)
             await script(pilot)
     asyncio.run(main())
-
-
-async def until(pilot, cond, timeout=300.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError("the app did not get there in time")
-        await pilot.pause(0.05)
-
-
-async def say(pilot, text):
-    """Type a message (or command) into the prompt box and press Enter."""
-    app = pilot.app
-    app.prompt_box.focus()
-    app.prompt_box.set_text(text)
-    await pilot.press("enter")
-    await pilot.pause()
-    await until(pilot, lambda: not app.generating)
 
 
 def status(app) -> str:

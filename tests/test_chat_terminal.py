@@ -41,6 +41,11 @@ class Terminal:
         subprocess.run(self.base + ["new-session", "-d", "-s", "main", "-x", str(cols),
                                     "-y", str(lines), cmd], check=True, env=self.env)
 
+    def start_chat(self, *args):
+        """``llm chat ARGS``, once its model is loaded."""
+        self.start("chat", *args)
+        self.wait(lambda: "loaded in" in self.screen(), "model loaded")
+
     def tmux(self, *args) -> subprocess.CompletedProcess:
         return subprocess.run(self.base + list(args), capture_output=True, text=True,
                               env=self.env)
@@ -97,8 +102,7 @@ def terminal(tmp_path):
 def test_typing_a_message_in_a_real_terminal(terminal, tmp_path, smollm_path):
     db = tmp_path / "data" / "localllm" / "chat.db"
     t = terminal("type")
-    t.start("chat", str(smollm_path), "-n", "8", "--temp", "0")
-    t.wait(lambda: "loaded in" in t.screen(), "model loaded")
+    t.start_chat(str(smollm_path), "-n", "8", "--temp", "0")
     # Alt+Enter as legacy terminals send it (ESC CR) and Shift+Enter as the Kitty protocol
     # reports it both break the line; Enter sends.
     t.type("Hello")
@@ -120,8 +124,7 @@ def test_killed_mid_reply_then_resume_shows_every_completed_turn(terminal, tmp_p
                                                                  smollm_path):
     db = tmp_path / "data" / "localllm" / "chat.db"
     t = terminal("kill")
-    t.start("chat", str(smollm_path), "-n", "8", "--temp", "0")
-    t.wait(lambda: "loaded in" in t.screen(), "model loaded")
+    t.start_chat(str(smollm_path), "-n", "8", "--temp", "0")
     t.type("Hello!")
     t.press("Enter")
     t.wait(lambda: len(rows(db)) == 2, "first reply stored")
@@ -143,8 +146,7 @@ def test_killed_mid_reply_then_resume_shows_every_completed_turn(terminal, tmp_p
     assert stored[2][1] == "Write a long story about a dragon who learns to bake."
 
     r = terminal("resume")
-    r.start("chat", "--resume")
-    r.wait(lambda: "loaded in" in r.screen(), "model loaded on resume")
+    r.start_chat("--resume")
     screen = r.screen()
     assert "Hello!" in screen and first_reply.splitlines()[0][:30] in screen
     assert "Write a long story about a dragon who learns to bake." in screen
