@@ -1,4 +1,4 @@
-"""The `llm` command: run a prompt, serve a model, pull, list and inspect models.
+"""The `llm` command: run a prompt, chat, serve a model, pull, list and inspect models.
 
 Stdout carries only generated text; messages and statistics go to stderr. Every failure is
 one line starting with ``error:`` and a non-zero exit code.
@@ -51,7 +51,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _model_settings(args) -> dict:
-    """The load settings the model options give."""
+    """LoadSettings fields from the model options (shared by every command that loads)."""
     if args.ctx_size < 0:
         raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
     if args.threads < 0:
@@ -110,6 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(ppl)
 
     _add_serve_parser(sub)
+
+    chat = sub.add_parser("chat", help="a terminal chat with branching history")
+    chat.add_argument("model", nargs="?", default=None,
+                      help="GGUF path or known model name (default: smollm2-135m, or the "
+                           "resumed conversation's)")
+    chat.add_argument("-sys", "--system", default=None, help="system prompt")
+    which = chat.add_mutually_exclusive_group()
+    which.add_argument("--list", action="store_true", help="list saved conversations and exit")
+    which.add_argument("--resume", nargs="?", const="latest", default=None, metavar="ID",
+                       help="reopen a saved conversation (default: the latest)")
+    _add_model_options(chat)
+    _add_sampling_options(chat)
 
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name")
@@ -291,6 +303,24 @@ def cmd_serve(args) -> int:
         sampling=sampling, verbose=args.verbose))
 
 
+# ----------------------------------------------------------------------------- chat
+
+def cmd_chat(args) -> int:
+    try:
+        from .tui.chat_cli import list_conversations, run_chat
+    except ImportError as e:
+        raise ValueError(f"llm chat needs textual ({e.name} is not installed): "
+                         "pip install 'localllm[chat]'") from None
+    if args.list:
+        return list_conversations()
+    sampling = _sampling(args)
+    from .sampling import SamplingParams
+    SamplingParams(**sampling).validate()
+    if args.n_predict < 0:
+        sampling["max_tokens"] = -1   # until end of text or a full context
+    return run_chat(args.model, _model_settings(args), sampling, args.system, args.resume)
+
+
 # ----------------------------------------------------------------------------- pull / list / inspect
 
 def cmd_pull(args) -> int:
@@ -351,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
-    handler = {"run": cmd_run, "serve": cmd_serve, "perplexity": cmd_perplexity,
-               "pull": cmd_pull, "list": cmd_list, "inspect": cmd_inspect}[args.command]
+    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve,
+               "perplexity": cmd_perplexity, "pull": cmd_pull, "list": cmd_list,
+               "inspect": cmd_inspect}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
