@@ -128,7 +128,7 @@ class ChatApp(ChatCommands, App):
         self.prompt_box.focus()
         await self.show_conversation()
         await self.note(f"Loading {self.options.model_label}…", key="loading")
-        self.set_interval(0.25, self.update_status)
+        self._status_timer = self.set_interval(0.25, self.update_status)
         self.engine.submit(self._load_job)
 
     def _load_job(self) -> None:
@@ -147,6 +147,7 @@ class ChatApp(ChatCommands, App):
                             "/regen answers it.")
 
     def on_unmount(self) -> None:
+        self._status_timer.stop()
         self.cancel.set()
         self.engine.stop()
 
@@ -212,7 +213,9 @@ class ChatApp(ChatCommands, App):
             state = "the next message starts a new branch from the summary (Esc cancels)"
         else:
             state = ""
-        self.query_one("#status", StatusBar).show(info, self.usage, self.last_stats, state)
+        bars = self.query("#status")  # empty while the app is closing
+        if bars:
+            bars.first(StatusBar).show(info, self.usage, self.last_stats, state)
 
     def recount(self) -> None:
         """Count the tokens of the current path on the engine thread (for the meter)."""
