@@ -23,7 +23,7 @@ import numpy as np
 
 from . import fetch
 from .chat_template import ChatTemplate
-from .generate import Chunk, GenerationStats, run_generation
+from .generate import Chunk, Decoder, GenerationStats, run_generation
 from .gguf import GGUFFile
 from .models import build, module_for
 from .models.common import Placement, WeightLoader, check_blocks
@@ -154,6 +154,20 @@ def file_identity(path: Path) -> bytes:
         f.seek(max(0, size - (1 << 16)))
         h.update(f.read(1 << 16))
     return h.digest()
+
+
+@dataclass
+class Decoding:
+    """A generation under way: its Decoder and the Sequence it runs in (released at the end
+    when the generation made it)."""
+    decoder: Decoder
+    seq: Sequence
+    own: bool
+    prompted: bool = False   # the prompt has run (batching.Batcher's bookkeeping)
+
+    def close(self) -> None:
+        if self.own:
+            self.seq.release()
 
 
 class Generation:
@@ -354,32 +368,47 @@ class Model:
         return Generation(self._run(ids, params, seq, stats, shift, constraint), stats)
 
     def _run(self, ids, params, seq, stats, shift, constraint) -> Iterator[Chunk]:
+        d = self._start(ids, params, seq, stats, shift, constraint)
+        try:
+            yield from run_generation(d.seq.feed, d.decoder)
+        finally:
+            d.close()
+
+    def start(self, prompt: str | Seq[int], seq: Sequence | None = None, constraint=None,
+              **sampling) -> "Decoding":
+        """A generation to drive step by step (batching.Batcher does): the prompt is matched
+        against the cache now; see generate for the arguments."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_prompt(ids)
+        stats = GenerationStats()
+        self.last_stats = stats
+        return self._start(ids, self._params(sampling), seq, stats, None, constraint)
+
+    def _start(self, ids, params, seq, stats, shift, constraint) -> "Decoding":
         own = seq is None
         if own:
             seq = self.new_sequence()
-        try:
-            cached = self._runner.reuse(seq, ids)
+        else:
+            seq._check()
+        cached = self._runner.reuse(seq, ids)
 
-            def make_room(generated):
-                made = shift(generated)
-                if made is None:
-                    return None
-                new_ids, room = made
-                fresh = self.new_sequence()
-                logits = fresh.feed(new_ids)
-                seq.adopt(fresh)  # positions changed: the shortened conversation anew
-                return logits, room
+        def make_room(generated):
+            made = shift(generated)
+            if made is None:
+                return None
+            new_ids, room = made
+            fresh = self.new_sequence()
+            logits = fresh.feed(new_ids)
+            seq.adopt(fresh)  # positions changed: the shortened conversation anew
+            return logits, room
 
-            # Constrained text is checked byte for byte: decoded without space cleaning.
-            stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
-            yield from run_generation(
-                seq.feed, ids, cached, self.ctx - len(ids), params, self.vocab_size, stream,
-                self.tokenizer.is_eog, stats, self.backend.logsumexp,
-                lambda: self.kv.cache.checkpoint(seq.kv),
-                make_room if shift is not None else None, constraint)
-        finally:
-            if own:
-                seq.release()
+        # Constrained text is checked byte for byte: decoded without space cleaning.
+        stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
+        decoder = Decoder(ids, cached, self.ctx - len(ids), params, self.vocab_size, stream,
+                          self.tokenizer.is_eog, stats, self.backend.logsumexp,
+                          lambda: self.kv.cache.checkpoint(seq.kv),
+                          make_room if shift is not None else None, constraint)
+        return Decoding(decoder, seq, own)
 
     def _shifting_chat(self, messages: list[dict], params: SamplingParams,
                        seq: Sequence | None, constraint=None) -> Generation:

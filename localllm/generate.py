@@ -91,89 +91,124 @@ class StopMatcher:
         return out
 
 
-def run_generation(feed: Callable[[Sequence[int]], np.ndarray], prompt: Sequence[int],
-                   cached: int, room: int, params: SamplingParams, vocab_size: int,
-                   stream, is_eog: Callable[[int], bool], stats: GenerationStats,
-                   logsumexp=None, after_prompt: Callable[[], None] | None = None,
-                   shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None,
-                   constraint=None) -> Iterator[Chunk]:
-    """Generate from a prompt.
+class Decoder:
+    """One generation, step by step: ``pending`` holds the tokens to run next (the prompt's
+    uncached part, then each new token); ``push`` takes the logits of the last one run,
+    chooses the next token and returns the text that became final. Callers run the tokens
+    alone (run_generation) or batched with other sequences' (batching.Batcher)."""
 
-    Args:
-        feed: runs tokens (appended after what is cached) and returns the last position's logits.
-        prompt: the prompt's token ids, of which the first ``cached`` are already in the cache.
-        room: how many tokens may still be added after the prompt (context left).
-        params: sampling settings; vocab_size: logits width.
-        stream: the tokenizer's incremental decoder for the output.
-        is_eog: end-of-generation test.
-        stats: filled in as generation proceeds.
-        logsumexp: optional fast log-sum-exp for the log-probabilities.
-        after_prompt: called once the prompt is processed (e.g. to checkpoint the cache).
-        shift: when the context is full, may make room (given the tokens generated so far):
-            returns the next logits and the new room, or None to end with 'length'.
-        constraint: optional TokenConstraint (e.g. JSON) every token must satisfy; generation
-            ends when it is complete and an end token is chosen, or nothing else may follow.
+    def __init__(self, prompt: Sequence[int], cached: int, room: int, params: SamplingParams,
+                 vocab_size: int, stream, is_eog: Callable[[int], bool],
+                 stats: GenerationStats, logsumexp=None,
+                 after_prompt: Callable[[], None] | None = None,
+                 shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None,
+                 constraint=None):
+        """Args:
+            prompt: the prompt's token ids, of which the first ``cached`` are already run.
+            room: how many tokens may still be added after the prompt (context left).
+            params: sampling settings; vocab_size: logits width.
+            stream: the tokenizer's incremental decoder for the output.
+            is_eog: end-of-generation test.
+            stats: filled in as generation proceeds.
+            logsumexp: optional fast log-sum-exp for the log-probabilities.
+            after_prompt: called once the prompt is processed (e.g. to checkpoint the cache).
+            shift: when the context is full, may make room (given the tokens generated so
+                far): returns the next logits and the new room, or None to end with 'length'.
+            constraint: optional TokenConstraint (e.g. JSON) every token must satisfy;
+                generation ends when it is complete and an end token is chosen, or nothing
+                else may follow.
+        """
+        self.sampler = Sampler(params, vocab_size, logsumexp, constraint)
+        self.params, self.stats, self.room = params, stats, room
+        self._stream, self._is_eog = stream, is_eog
+        self._after_prompt, self._shift, self._constraint = after_prompt, shift, constraint
+        stats.seed = self.sampler.seed
+        stats.prompt_tokens = len(prompt)
+        stats.cached_tokens = cached
+        self._stop = StopMatcher(params.stop)
+        self._history = list(prompt)
+        self.pending: list[int] = list(prompt[cached:])
+        self.done = False
+        self._prompt_done = False
+        self._t0 = time.perf_counter()
+        self._t_gen = self._t0
+        self._toks: list[int] = []
+        self._lps: list[float] = []
+        self._tops: list = []
+        stats.finish_reason = "length"
+
+    def push(self, logits: np.ndarray) -> list[Chunk]:
+        """The logits (vocab,) after the pending tokens ran: choose the next token.
+
+        Returns:
+            Chunks whose text is final (the last carries the finish reason once done).
+        """
+        st, p = self.stats, self.params
+        if not self._prompt_done:
+            self._prompt_done = True
+            self._t_gen = time.perf_counter()
+            st.prompt_seconds = self._t_gen - self._t0
+            if self._after_prompt is not None:
+                self._after_prompt()
+        if st.generated_tokens >= p.max_tokens:  # max_tokens == 0
+            return self._finish("", False)
+        tok, lp, top = self.sampler.sample(logits, self._history)
+        if st.generated_tokens == 0:
+            st.time_to_first_token = time.perf_counter() - self._t0
+        con = self._constraint
+        if self._is_eog(tok) and (not p.ignore_eos or con is not None):
+            st.finish_reason = "stop"
+            return self._finish("", False)
+        self._history.append(tok)
+        st.tokens.append(tok)
+        st.generated_tokens += 1
+        self._toks.append(tok)
+        self._lps.append(lp)
+        if p.top_logprobs:
+            self._tops.append(top)
+        text, stopped = self._stop.push(self._stream.feed(tok))
+        if stopped or (con is not None and con.must_end()):
+            st.finish_reason = "stop"
+            return self._finish(text, stopped)
+        if st.generated_tokens == p.max_tokens:
+            return self._finish(text, False)
+        out = []
+        if text:
+            out.append(Chunk(text, self._toks, self._lps, None, self._tops))
+            self._toks, self._lps, self._tops = [], [], []
+        self.pending = [tok]
+        if st.generated_tokens >= self.room:
+            # The context is full: make room (context shift) or end here.
+            made = self._shift(st.tokens) if self._shift is not None else None
+            if made is None:
+                return out + self._finish("", False)
+            logits, more = made
+            self.room = st.generated_tokens + more
+            return out + self.push(logits)
+        return out
+
+    def _finish(self, text: str, stopped: bool) -> list[Chunk]:
+        st = self.stats
+        st.generate_seconds = time.perf_counter() - self._t_gen
+        if not stopped:
+            # Bytes held for an unfinished character, then text held for a stop string.
+            more, stopped = self._stop.push(self._stream.flush())
+            text += more
+            if stopped:
+                st.finish_reason = "stop"
+            else:
+                text += self._stop.flush()
+        self.done = True
+        self.pending = []
+        return [Chunk(text, self._toks, self._lps, st.finish_reason, self._tops)]
+
+
+def run_generation(feed: Callable[[Sequence[int]], np.ndarray], decoder: Decoder
+                   ) -> Iterator[Chunk]:
+    """Drive one Decoder alone: ``feed`` runs tokens and returns the last one's logits.
+
     Yields:
         Chunk pieces of text; the last one carries the finish reason.
     """
-    sampler = Sampler(params, vocab_size, logsumexp, constraint)
-    stats.seed = sampler.seed
-    stats.prompt_tokens = len(prompt)
-    stats.cached_tokens = cached
-    stop = StopMatcher(params.stop)
-    history = list(prompt)
-    t0 = time.perf_counter()
-    logits = feed(prompt[cached:])
-    stats.prompt_seconds = time.perf_counter() - t0
-    if after_prompt is not None:
-        after_prompt()
-    t_gen = time.perf_counter()
-    toks: list[int] = []
-    lps: list[float] = []
-    tops: list = []
-    text, stopped = "", False
-    stats.finish_reason = "length"
-    for i in range(params.max_tokens):
-        tok, lp, top = sampler.sample(logits, history)
-        if i == 0:
-            stats.time_to_first_token = time.perf_counter() - t0
-        if is_eog(tok) and (not params.ignore_eos or constraint is not None):
-            stats.finish_reason, text = "stop", ""
-            break
-        history.append(tok)
-        stats.tokens.append(tok)
-        stats.generated_tokens += 1
-        toks.append(tok)
-        lps.append(lp)
-        if params.top_logprobs:
-            tops.append(top)
-        text, stopped = stop.push(stream.feed(tok))
-        if stopped or (constraint is not None and constraint.must_end()):
-            stats.finish_reason = "stop"
-            break
-        if i + 1 == params.max_tokens:
-            break
-        fed = False
-        if stats.generated_tokens >= room:
-            # The context is full: make room (context shift) or end here.
-            made = shift(stats.tokens) if shift is not None else None
-            if made is None:
-                break
-            logits, more = made
-            room = stats.generated_tokens + more
-            fed = True
-        if text:
-            yield Chunk(text, toks, lps, None, tops)
-            toks, lps, tops = [], [], []
-        if not fed:
-            logits = feed([tok])
-    stats.generate_seconds = time.perf_counter() - t_gen
-    if not stopped:
-        # Bytes held for an unfinished character, then text held for a possible stop string.
-        more, stopped = stop.push(stream.flush())
-        text += more
-        if stopped:
-            stats.finish_reason = "stop"
-        else:
-            text += stop.flush()
-    yield Chunk(text, toks, lps, stats.finish_reason, tops)
+    while not decoder.done:
+        yield from decoder.push(feed(decoder.pending))
