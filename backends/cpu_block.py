@@ -144,7 +144,8 @@ def residual(x, y, post_norm, eps):
             _residual_row(t, x, y, post_norm, eps)
 
 
-@njit(cache=True, parallel=True)
+# nogil: a server's event loop (or a UI) keeps running while a layer computes.
+@njit(cache=True, parallel=True, nogil=True)
 def decoder_block(x, w, cfg, kv, positions, cos, sin):
     """One decoder block for n tokens, in place on x (n, dim).
 

@@ -271,7 +271,7 @@ def _ol_matmul_tile(w, tile, a32, a256, x, out):
         w, tile, a32[0], a32[1], a32[2], a32[3], out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_kernel(w, a32, a256, x, out):
     """out = x @ W.T over all tiles in parallel (out: float32 (n, padded rows))."""
     for tile in prange(out.shape[1] // 16):
