@@ -229,17 +229,14 @@ class CpuBackend:
                               p.layout.n_kv_heads)
 
     def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0):
-        n = q.shape[0]
         pk = self._paged(kv)
-        n_kv, hd = pk.n_kv, kv.pages.layout.head_dim
-        pos = np.asarray(positions, np.int64)
-        attn_k.kv_write(pk.K, pk.V, pk.tables, pk.row_seq, pk.block_size,
-                        np.ascontiguousarray(k).reshape(n, n_kv, hd),
-                        np.ascontiguousarray(v).reshape(n, n_kv, hd), pos)
-        out = np.empty((n, n_heads, hd), np.float32)
-        attn_k.attend(np.ascontiguousarray(q).reshape(n, n_heads, hd), pk.K, pk.V, pk.tables,
-                      pk.row_seq, pk.block_size, n_kv, pos, int(window), float(scale), out)
-        return out.reshape(n, n_heads * hd)
+        # copies: the kernel works in place on its scratch
+        q, k, v = (np.array(a, np.float32, order="C") for a in (q, k, v))
+        out = np.empty_like(q)
+        attn_k.paged_attention(q, k, v, pk.K, pk.V, pk.tables, pk.row_seq, pk.block_size,
+                               pk.n_kv, np.asarray(positions, np.int64), int(window),
+                               float(scale), out)
+        return out
 
     def decoder_block(self, x, w, spec, positions, kv: LayerKV):
         """One whole decoder block in a single Numba call (see models/block.py)."""

@@ -180,12 +180,9 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     k = k[:, :kvd].copy() if kv_rows != kvd else k
     v = v[:, :kvd].copy() if kv_rows != kvd else v
     qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
-    attn_k.kv_write(kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, k.reshape(n, n_kv, hd),
-                    v.reshape(n, n_kv, hd), positions)
-    o = np.empty((n, n_heads, hd), np.float32)
-    attn_k.attend(q.reshape(n, n_heads, hd), kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size,
-                  n_kv, positions, window, scale, o)
-    o2 = o.reshape(n, qd)
+    o2 = np.empty((n, qd), np.float32)
+    attn_k.paged_attention(q, k, v, kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, n_kv,
+                           positions, window, scale, o2)
     r, s = reads(wo)
     b32, b256 = act_buffers(n, qd, r, s)
     prepare(o2, np.empty(0, np.float32), eps, o2, b32, b256)
