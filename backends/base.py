@@ -87,9 +87,12 @@ class Backend(Protocol):
         """Rotary position embedding of x (n, n_heads * head_dim)."""
 
     def attention(self, q: Any, k: Any, v: Any, kv: LayerKV, positions: Sequence[int],
-                  n_heads: int, scale: float, window: int = 0) -> Any:
+                  n_heads: int, scale: float, window: int = 0,
+                  k_balance: Sequence[float] | None = None) -> Any:
         """Store k, v at ``positions`` of each token's sequence and attend causally:
-        (n, n_heads * head_dim)."""
+        (n, n_heads * head_dim). Keys of a rotated KV type are stored divided by
+        ``k_balance`` (per dim, powers of two) and queries multiplied by it, before the
+        rotation (kernels/kvpages.py key_balance)."""
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
         """act(gate) * up with act in {'silu', 'gelu_tanh'}."""

@@ -26,6 +26,11 @@ from .cpu_store import PackedStore
 _EMPTY = np.zeros(0, np.float32)
 
 
+def _balance(k_balance) -> np.ndarray:
+    """A BlockSpec's key balance as the kernels take it (empty for none)."""
+    return _EMPTY if k_balance is None else np.asarray(k_balance, np.float32)
+
+
 def _block_args(w, spec) -> tuple:
     """The fused kernel's BlockArrays and BlockConfig for a BlockWeights and BlockSpec."""
     vec = lambda a: _EMPTY if a is None else a  # noqa: E731
@@ -34,7 +39,7 @@ def _block_args(w, spec) -> tuple:
         bk=vec(w.bk), bv=vec(w.bv), q_norm=vec(w.q_norm), k_norm=vec(w.k_norm),
         wo=w.wo.packed, post_attn_norm=vec(w.post_attn_norm), ffn_norm=w.ffn_norm,
         w_gate=w.w_gate.packed, w_up=w.w_up.packed, w_down=w.w_down.packed,
-        post_ffn_norm=vec(w.post_ffn_norm))
+        post_ffn_norm=vec(w.post_ffn_norm), k_balance=_balance(spec.k_balance))
     cfg = cpu_block.BlockConfig(
         eps=float(spec.norm_eps), n_heads=spec.n_heads, n_kv=spec.n_kv_heads,
         hd=spec.head_dim, neox=bool(spec.rope.neox), window=int(spec.window),
@@ -228,14 +233,15 @@ class CpuBackend:
         return attn_k.PagedKV(p.K, p.V, kv.tables, kv.row_seq, kv.block_size,
                               p.layout.n_kv_heads)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0):
+    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+                  k_balance=None):
         pk = self._paged(kv)
         # copies: the kernel works in place on its scratch
         q, k, v = (np.array(a, np.float32, order="C") for a in (q, k, v))
         out = np.empty_like(q)
         attn_k.paged_attention(q, k, v, pk.K, pk.V, pk.tables, pk.row_seq, pk.block_size,
                                pk.n_kv, np.asarray(positions, np.int64), int(window),
-                               float(scale), out)
+                               float(scale), _balance(k_balance), out)
         return out
 
     def decoder_block(self, x, w, spec, positions, kv: LayerKV):

@@ -22,7 +22,7 @@ from localllm.kernels.ops import add_row, glu, rms_norm_row, rope_row
 # empty), and the sizes that select its loops.
 BlockArrays = namedtuple("BlockArrays", [
     "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo",
-    "post_attn_norm", "ffn_norm", "w_gate", "w_up", "w_down", "post_ffn_norm"])
+    "post_attn_norm", "ffn_norm", "w_gate", "w_up", "w_down", "post_ffn_norm", "k_balance"])
 # q_rows, kv_rows, f_rows, d_rows: padded output widths (whole 16-row tiles) of the
 # projections to q, k/v, the hidden layer and back to dim.
 BlockConfig = namedtuple("BlockConfig", [
@@ -182,7 +182,7 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
     o2 = np.empty((n, qd), np.float32)
     attn_k.paged_attention(q, k, v, kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, n_kv,
-                           positions, window, scale, o2)
+                           positions, window, scale, w.k_balance, o2)
     r, s = reads(wo)
     b32, b256 = act_buffers(n, qd, r, s)
     prepare(o2, np.empty(0, np.float32), eps, o2, b32, b256)

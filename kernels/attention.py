@@ -14,7 +14,8 @@ from numba import njit, prange
 
 from .attention_steps import KEYS_PER_BLOCK  # noqa: F401 (the cache layout, for callers)
 from .attention_steps import CHUNK, _scores, _softmax, _values, _weights
-from .kvpages import PAD, group_nbytes, rotate_block, rotated, row_nbytes, store_key, store_value
+from .kvpages import (PAD, balance_block, group_nbytes, rotate_block, rotated, row_nbytes,
+                      store_key, store_value)
 from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
 from .vmath import f32_fma, vf_div, vf_fma
 
@@ -347,20 +348,26 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
 
 
 @njit(cache=True)
-def paged_attention(q, k, v, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
+def paged_attention(q, k, v, K, V, tables, row_seq, bs, n_kv, positions, window, scale,
+                    kbal, out):
     """Store k, v in the pages and attend: attend() after kv_write(), with the rotation of
-    the KV types that store vectors rotated (kvpages.ROTATED) applied around them.
+    the KV types that store vectors rotated (kvpages.ROTATED) applied around them, keys of
+    such a type first divided by the key balance and queries multiplied by it.
 
     Args:
         q: float32 (n, H * hd); k, v: float32 (n, n_kv * hd); all C-contiguous scratch (the
             rotated types turn them in place).
         K, V, tables, row_seq, bs, n_kv: the PagedKV fields; positions: int64 (n,).
+        kbal: float32 (hd,) key balance (kvpages.key_balance), or empty for none.
         out: float32 (n, H * hd), written.
     """
     n = q.shape[0]
     H = q.shape[1] * n_kv // max(k.shape[1], 1)
     hd = k.shape[1] // n_kv
     if rotated(K):
+        if kbal.size == hd:
+            balance_block(q, H, hd, kbal, False)
+            balance_block(k, n_kv, hd, kbal, True)
         rotate_block(q, H, hd)
         rotate_block(k, n_kv, hd)
     if rotated(V):

@@ -212,6 +212,51 @@ def _ol_rotated(pages):
 ROTATED = frozenset({"Q8_0", "Q4_0"})
 
 
+def key_balance(q_norm, k_norm, n_rot, neox):
+    """Per-dim powers of two d with q . k = (q * d) . (k / d), for models whose queries and
+    keys are RMS-normed per head (QK-norm); None without. Keys are stored divided by d
+    (before the rotation) when their type is a rotated one, queries multiplied by it.
+
+    The QK-norm weights set each dim's typical size: a few key dims with weights 5-20x the
+    rest dominate the block scales after rotation. d = sqrt(g_k / g_q) per dim (g: the RMS of
+    the norm weights over a RoPE pair, which post-RoPE dims mix) evens the error between the
+    two sides; powers of two make both scalings exact. Gemma 3 270M, q4_0 keys: +13.0 % to
+    +3.5 % perplexity against f16 keys.
+
+    Args:
+        q_norm, k_norm: float (hd,) host arrays of the layer's QK-norm weights, or None.
+        n_rot: rotated dims per head; neox: RoPE pairs i, i + n_rot/2 (else 2i, 2i+1).
+    Returns:
+        A tuple of hd floats, or None.
+    """
+    if q_norm is None or k_norm is None:
+        return None
+    gq = np.abs(np.asarray(q_norm, np.float64))
+    gk = np.abs(np.asarray(k_norm, np.float64))
+    hd = gk.size
+    partner = np.arange(hd)
+    half = n_rot // 2
+    if neox:
+        partner[:half], partner[half:n_rot] = np.arange(half, n_rot), np.arange(half)
+    else:
+        partner[:n_rot] = np.arange(n_rot) ^ 1
+    pair = lambda g: np.sqrt((g * g + g[partner] ** 2) / 2)  # noqa: E731
+    ratio = np.maximum(pair(gk), 1e-3) / np.maximum(pair(gq), 1e-3)
+    return tuple(float(x) for x in 2.0 ** np.round(np.log2(np.clip(np.sqrt(ratio), 1 / 16, 16))))
+
+
+@njit(cache=True)
+def balance_block(x, n_heads, hd, d, inverse):
+    """In place on x (n, n_heads * hd): each head's dim c times d[c] (or divided by it)."""
+    for t in range(x.shape[0]):
+        for h in range(n_heads):
+            for c in range(hd):
+                if inverse:
+                    x[t, h * hd + c] /= d[c]
+                else:
+                    x[t, h * hd + c] *= d[c]
+
+
 @njit(cache=True)
 def rotate_block(x, n_heads, hd):
     """In place on x (n, n_heads * hd): each head's dims, in blocks of the largest power of two

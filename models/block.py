@@ -25,6 +25,7 @@ class BlockSpec:
     attn_scale: float
     window: int = 0              # sliding-window attention span, 0 for global
     activation: str = "silu"     # gated FFN activation: 'silu' or 'gelu_tanh'
+    k_balance: tuple | None = None  # per-dim key scaling of rotated KV types (kvpages)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
         k = be.head_norm(k, s.n_kv_heads, w.k_norm, s.norm_eps)
     q = be.rope(q, s.n_heads, positions, s.rope)
     k = be.rope(k, s.n_kv_heads, positions, s.rope)
-    o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window)
+    o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window, s.k_balance)
     o = be.linear(o, [w.wo])[0]
     if w.post_attn_norm is not None:
         o = be.rms_norm(o, w.post_attn_norm, s.norm_eps)

@@ -4,9 +4,10 @@ SwiGLU feed-forward, tied or separate output head."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from localllm.backends.base import RopeSpec
+from localllm.kernels.kvpages import key_balance
 
 from .block import BlockSpec, BlockWeights
 from .common import ModelError, WeightLoader, meta_float, meta_get, meta_int
@@ -129,13 +130,23 @@ class Model(Net):
         self.rope = RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq)
         self.tok_embd = w.embedding("token_embd.weight", a.vocab_size, a.dim)
         self.layers = [PlacedLayer(i, w.placement.layers[i], self.load_block(w, i),
-                                   self.block_spec(i)) for i in range(a.n_layers)]
+                                   self.balanced(w, i, self.block_spec(i)))
+                       for i in range(a.n_layers)]
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
         self.output = w.matrix(name, a.vocab_size, a.dim, head=True)
 
     def load_block(self, w: WeightLoader, i: int) -> BlockWeights:
         return load_block(w, i, self.args)
+
+    def balanced(self, w: WeightLoader, i: int, spec: BlockSpec) -> BlockSpec:
+        """The spec with its key balance, for layers with QK-norm (kvpages.key_balance)."""
+        q, k = f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"
+        if not (w.has(q) and w.has(k)):
+            return spec
+        hd = self.args.head_dim
+        return replace(spec, k_balance=key_balance(w.host_vector(q, hd), w.host_vector(k, hd),
+                                                   spec.rope.n_rot, spec.rope.neox))
 
     def block_spec(self, i: int) -> BlockSpec:
         a = self.args

@@ -276,7 +276,7 @@ def test_rotation_is_orthonormal_and_cuts_quantization_error():
         out = np.empty_like(q)
         if rotate:
             attn.paged_attention(q.copy(), k.copy(), v.copy(), c.K, c.V, c.tables,
-                                 np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, out)
+                                 np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, NO_BALANCE, out)
         else:
             c.write(k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd), pos)
             out = c.attend(q.reshape(n, H, hd), pos, 0, 0.05).reshape(n, -1)
@@ -286,10 +286,55 @@ def test_rotation_is_orthonormal_and_cuts_quantization_error():
     c1, c2 = Cache("f16", n_kv, hd), Cache("f16", n_kv, hd)
     out = np.empty_like(q)
     attn.paged_attention(q.copy(), k.copy(), v.copy(), c1.K, c1.V, c1.tables,
-                         np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, out)
+                         np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, NO_BALANCE, out)
     c2.write(k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd), pos)
     np.testing.assert_array_equal(bits(out.reshape(n, H, hd)),
                                   bits(c2.attend(q.reshape(n, H, hd), pos, 0, 0.05)))
+
+
+NO_BALANCE = np.zeros(0, np.float32)
+
+
+def test_key_balance_is_exact_powers_of_two_shared_by_rope_pairs():
+    rng = np.random.default_rng(3)
+    assert kvpages.key_balance(None, None, 64, True) is None
+    gq = rng.uniform(0.5, 3, 64)
+    gk = rng.uniform(0.5, 3, 64)
+    gk[[3, 40]] = 20.0  # outlier key dims, as Gemma 3's k_norm has
+    for neox, partner in ((True, lambda c: (c + 32) % 64), (False, lambda c: c ^ 1)):
+        d = np.array(kvpages.key_balance(gq, gk, 64, neox))
+        assert np.all(np.log2(d) == np.round(np.log2(d))) and d.min() >= 1 / 16 and d.max() <= 16
+        assert all(d[c] == d[partner(c)] for c in range(64))  # RoPE mixes a pair's dims
+        assert d[3] > np.median(d)
+    # scaling by powers of two is exact both ways
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    y = x.copy()
+    kvpages.balance_block(y, 2, 64, d.astype(np.float32), True)
+    kvpages.balance_block(y, 2, 64, d.astype(np.float32), False)
+    np.testing.assert_array_equal(y, x)
+
+
+def test_key_balance_cuts_the_error_of_outlier_key_dims():
+    rng = np.random.default_rng(4)
+    n, H, n_kv, hd = 96, 4, 1, 64
+    gq = rng.uniform(0.8, 1.5, hd)
+    gk = rng.uniform(0.8, 1.5, hd)
+    gk[[5, 37, 20, 52]] = 16.0
+    q = (rng.standard_normal((n, H, hd)) * gq).astype(np.float32).reshape(n, -1)
+    k = (rng.standard_normal((n, n_kv, hd)) * gk).astype(np.float32).reshape(n, -1)
+    v = rng.standard_normal((n, n_kv * hd)).astype(np.float32)
+    pos = np.arange(n, dtype=np.int64)
+    want = reference(q.reshape(n, H, hd), k.reshape(n, n_kv, hd).transpose(1, 0, 2).astype(
+        np.float64), v.reshape(n, n_kv, hd).transpose(1, 0, 2).astype(np.float64), pos, 0,
+        0.12).reshape(n, -1)
+    errs = []
+    for bal in (NO_BALANCE, np.array(kvpages.key_balance(gq, gk, hd, True), np.float32)):
+        c = Cache("q4_0", n_kv, hd)
+        out = np.empty_like(q)
+        attn.paged_attention(q.copy(), k.copy(), v.copy(), c.K, c.V, c.tables,
+                             np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.12, bal, out)
+        errs.append(np.abs(out - want).mean())
+    assert errs[1] < 0.85 * errs[0], errs  # 0.74x here; Gemma 3's keys gain far more
 
 
 def test_bytes_per_token_of_each_type():
