@@ -14,13 +14,14 @@ from typing import Sequence
 import numpy as np
 
 from localllm.dequant import dequantize
+from localllm.quants import row_nbytes
 from localllm.kernels import attention as attn_k
 from localllm.kernels import kvpages
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
 
 from . import cpu_block
-from .base import KVLayout, LayerKV, RopeSpec
+from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
 from .cpu_store import PackedStore
 
 _EMPTY = np.zeros(0, np.float32)
@@ -105,6 +106,7 @@ class CpuBackend:
     """Backend on the host CPU."""
 
     name = "cpu"
+    device = "cpu"
     copies_weights = True  # matrices are repacked, so the file's pages can be dropped
 
     def __init__(self, threads: int | None = None, fused: bool = True,
@@ -121,8 +123,32 @@ class CpuBackend:
         self._weight_cache = weight_cache
         self._store = None
         self._rope_memo = None
+        self._held = 0
+        self._tile_bytes: dict[tuple[str, int], int] = {}
         # False: blocks run op by op (models/block.py's reference composition); same bits.
         self.fused_blocks = fused
+
+    # ---- memory --------------------------------------------------------------------
+
+    def memory_info(self) -> MemoryInfo:
+        import psutil
+        vm = psutil.virtual_memory()
+        return MemoryInfo("host", int(vm.available), int(vm.total))
+
+    def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
+        """Packed bytes: the kernels' layout per 16-row tile (measured once per format and
+        row length by packing one empty tile), times the tiles."""
+        key = (type_name, K)
+        if key not in self._tile_bytes:
+            rows = np.zeros(16 * row_nbytes(type_name, K), np.uint8)
+            self._tile_bytes[key] = mm.pack(type_name, rows, 16, K).nbytes
+        return -(-N // 16) * self._tile_bytes[key]
+
+    def plan_scratch_nbytes(self, largest: int) -> int:
+        return 0  # the kernels read the packed blocks directly
+
+    def held_nbytes(self) -> int:
+        return self._held
 
     # ---- weights -------------------------------------------------------------------
 
@@ -142,14 +168,18 @@ class CpuBackend:
         if store is not None:
             w = store.get(name, type_name, N, K)
             if w is not None:
+                self._held += w.nbytes
                 return w
         w = mm.pack(type_name, raw, N, K, done)
         if store is not None:
             store.add(name, w)
+        self._held += w.nbytes
         return w
 
     def upload_vector(self, values):
-        return np.ascontiguousarray(values, dtype=np.float32)
+        v = np.ascontiguousarray(values, dtype=np.float32)
+        self._held += v.nbytes
+        return v
 
     def upload_embedding(self, type_name: str, rows: np.ndarray, dim: int) -> Embedding:
         return Embedding(type_name, rows, dim)
@@ -222,7 +252,9 @@ class CpuBackend:
         kb, vb = _block_nbytes(layout)
         K = kvpages.PAGE_CLASSES[layout.k_type](_lazy_bytes(n_blocks * kb + kvpages.PAD))
         V = kvpages.PAGE_CLASSES[layout.v_type](_lazy_bytes(n_blocks * vb + kvpages.PAD))
-        return KVPages(layout, K, V, kb, vb)
+        pages = KVPages(layout, K, V, kb, vb)
+        self._held += pages.nbytes
+        return pages
 
     def copy_kv_block(self, pages: KVPages, src: int, dst: int) -> None:
         for arr, nb in ((pages.K.a, pages.k_block), (pages.V.a, pages.v_block)):

@@ -1,0 +1,106 @@
+"""What the device backends prepare on the host before a layer runs: where each token's keys
+go in its pages, which slots each sequence's attention reads (with the causal and sliding-
+window mask), and rotary cos/sin tables formed exactly as the CPU backend forms them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from localllm.kernels.kvpages import v_row_nbytes
+from localllm.kernels.ops import rope_tables
+
+from .base import KVLayout, LayerKV, RopeSpec
+
+
+def kv_block_nbytes(layout: KVLayout) -> int:
+    """Bytes of one block's keys and values in the device backends' token-major pages: the
+    same as the CPU backend's for every KV type."""
+    per = v_row_nbytes(layout.k_type, layout.head_dim) + v_row_nbytes(layout.v_type,
+                                                                        layout.head_dim)
+    return layout.n_kv_heads * layout.block_size * per
+
+
+@dataclass
+class SeqSlots:
+    """One sequence's part of an attention call: its tokens' rows in the batch, the page
+    slots its keys are gathered from, and which of them each token may see."""
+    rows: np.ndarray     # int64 (n_s,)
+    slots: np.ndarray    # int64 (L,): block * block_size + offset
+    mask: np.ndarray     # bool (n_s, L)
+
+
+@dataclass
+class AttentionPlan:
+    """Where a batch writes its keys and what each of its sequences reads."""
+    write: np.ndarray    # int64 (n,) the slot of each token's new key and value
+    seqs: list
+
+
+def _check(kv: LayerKV, positions: np.ndarray, n_blocks: int) -> None:
+    tables, rs, bs = kv.tables, kv.row_seq, kv.block_size
+    if positions.shape[0] != rs.shape[0]:
+        raise ValueError("paged KV: positions and row_seq differ in length")
+    if np.any(rs < 0) or np.any(rs >= tables.shape[0]) or np.any(positions < 0) \
+            or np.any(positions >= tables.shape[1] * bs):
+        raise ValueError("paged KV: position or sequence outside the block tables")
+    page = tables[rs, positions // bs]
+    if np.any(page < 0) or np.any(page >= n_blocks):
+        raise ValueError("paged KV: a block the attention needs is not held")
+
+
+def attention_plan(kv: LayerKV, positions, window: int, n_blocks: int) -> AttentionPlan:
+    """The slots a batch writes and reads.
+
+    Args:
+        kv: the layer's LayerKV (numpy tables and row_seq).
+        positions: int (n,) each token's position in its sequence.
+        window: sliding-window span (keys at positions p - window + 1 .. p), 0 for none.
+        n_blocks: blocks the layer's pages hold.
+    Returns:
+        An AttentionPlan; raises ValueError when a token's block is not held.
+    """
+    pos = np.asarray(positions, np.int64)
+    bs = kv.block_size
+    tables = np.asarray(kv.tables)
+    rs = np.asarray(kv.row_seq, np.int64)
+    _check(kv, pos, n_blocks)
+    write = tables[rs, pos // bs].astype(np.int64) * bs + pos % bs
+    seqs = []
+    for s in np.unique(rs):
+        rows = np.nonzero(rs == s)[0]
+        p = pos[rows]
+        nb = int(p.max()) // bs + 1
+        blocks = tables[s, :nb].astype(np.int64)
+        held = np.repeat(blocks >= 0, bs)
+        slots = (np.maximum(blocks, 0)[:, None] * bs + np.arange(bs)).reshape(-1)
+        kpos = np.arange(nb * bs)
+        mask = kpos[None, :] <= p[:, None]
+        if window > 0:
+            mask &= kpos[None, :] > p[:, None] - window
+        if np.any(mask & ~held[None, :]):
+            raise ValueError("paged KV: a block the attention needs is not held")
+        seqs.append(SeqSlots(rows, slots, mask))
+    return AttentionPlan(write, seqs)
+
+
+class RopeTables:
+    """cos/sin rows per position for each RopeSpec, grown as positions are seen (numpy)."""
+
+    def __init__(self):
+        self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def lookup(self, positions, spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin), float32 (n, n_rot // 2) each, for the given positions."""
+        key = (spec.n_rot, spec.theta, spec.pos_scale, id(spec.freq_factors))
+        pos = np.asarray(positions, np.int64)
+        hi = int(pos.max()) + 1
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < hi:
+            n = max(hi, 2 * (have[0].shape[0] if have else 256))
+            have = rope_tables(np.arange(n), spec.n_rot, spec.theta, spec.freq_factors,
+                               spec.pos_scale)
+            self._tables[key] = have
+        return have[0][pos], have[1][pos]
