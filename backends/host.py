@@ -86,11 +86,30 @@ def attention_plan(kv: LayerKV, positions, window: int, n_blocks: int) -> Attent
     return AttentionPlan(write, seqs)
 
 
+class PlanCache:
+    """Attention plans of the current forward pass: every layer of a KV group sees the same
+    tables, row_seq and positions, so each group's plan is made once per pass."""
+
+    def __init__(self):
+        self._pass = None
+
+    def get(self, kv: LayerKV, positions, window: int, n_blocks: int) -> AttentionPlan:
+        p = self._pass
+        if p is None or p[0] is not positions or p[1] is not kv.row_seq:
+            p = self._pass = (positions, kv.row_seq, {})
+        key = (id(kv.tables), window)
+        hit = p[2].get(key)
+        if hit is None or hit[0] is not kv.tables:  # (the arrays are held: ids stay unique)
+            hit = p[2][key] = (kv.tables, attention_plan(kv, positions, window, n_blocks))
+        return hit[1]
+
+
 class RopeTables:
     """cos/sin rows per position for each RopeSpec, grown as positions are seen (numpy)."""
 
     def __init__(self):
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._pass = None
 
     def lookup(self, positions, spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
         """(cos, sin), float32 (n, n_rot // 2) each, for the given positions."""
@@ -104,3 +123,15 @@ class RopeTables:
                                spec.pos_scale)
             self._tables[key] = have
         return have[0][pos], have[1][pos]
+
+    def on_device(self, positions, spec: RopeSpec, upload):
+        """lookup's tables as ``upload`` makes them device arrays, made once per forward pass
+        (every layer with this spec sees the same positions object)."""
+        p = self._pass
+        if p is None or p[0] is not positions:
+            p = self._pass = (positions, {})
+        hit = p[1].get(id(spec))
+        if hit is None or hit[0] is not spec:
+            cos, sin = self.lookup(positions, spec)
+            hit = p[1][id(spec)] = (spec, upload(cos), upload(sin))
+        return hit[1], hit[2]

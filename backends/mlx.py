@@ -20,7 +20,7 @@ from localllm.quants import row_nbytes
 
 from . import mlx_kv, mlx_quant
 from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
-from .host import RopeTables, attention_plan, kv_block_nbytes
+from .host import PlanCache, RopeTables, kv_block_nbytes
 
 _GELU_K1 = -2.0 * 0.7978845608028654
 _GELU_K3 = _GELU_K1 * 0.044715
@@ -54,8 +54,10 @@ def on_apple_silicon() -> bool:
     return platform.system() == "Darwin" and platform.machine() == "arm64"
 
 
-def convert(raw: np.ndarray, type_name: str, N: int, K: int) -> MlxMatrix:
-    """A GGUF matrix in the MLX backend's form (see mlx_quant)."""
+def convert(raw: np.ndarray, type_name: str, N: int, K: int,
+            convert_bits: dict | None = None) -> MlxMatrix:
+    """A GGUF matrix in the MLX backend's form (see mlx_quant); ``convert_bits`` overrides
+    mlx_quant.CONVERT_BITS for the formats MLX cannot hold exactly."""
     if type_name in mlx_quant.EXACT:
         p = mlx_quant.to_mlx_exact(raw, type_name, N, K)
         return MlxMatrix(type_name, N, K, p.bits, mx.array(p.wq), mx.array(p.scales),
@@ -65,7 +67,7 @@ def convert(raw: np.ndarray, type_name: str, N: int, K: int) -> MlxMatrix:
         rows = [mx.array(r).astype(dtype) for r in mlx_quant.dequantized_rows(raw, type_name,
                                                                              N, K)]
         return MlxMatrix(type_name, N, K, 0, None, None, None, mx.concatenate(rows))
-    bits = mlx_quant.CONVERT_BITS[type_name]
+    bits = (convert_bits or mlx_quant.CONVERT_BITS)[type_name]
     parts = []
     for rows in mlx_quant.dequantized_rows(raw, type_name, N, K):
         part = mx.quantize(mx.array(rows), group_size=mlx_quant.GROUP, bits=bits)
@@ -91,16 +93,17 @@ class MlxBackend:
     fused_blocks = False
     copies_weights = True
 
-    def __init__(self, device: str | None = None):
+    def __init__(self, convert_bits: dict | None = None):
         """Args:
-            device: 'gpu' or 'cpu'; None: MLX's default (the GPU where Metal is available).
+            convert_bits: MLX bits per converted format (None: mlx_quant.CONVERT_BITS).
+
+        It computes on MLX's default device: the GPU where Metal is available.
         """
-        if device is not None:
-            mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+        self.convert_bits = dict(convert_bits or mlx_quant.CONVERT_BITS)
         self.gpu = mx.default_device() == mx.gpu
         self.device = "metal" if self.gpu else "mlx-cpu"
         self._rope = RopeTables()
-        self._plan_memo = None
+        self._plans = PlanCache()
         self._held = 0
 
     # ---- memory ----------------------------------------------------------------------
@@ -116,7 +119,7 @@ class MlxBackend:
         return MemoryInfo("host", free, int(vm.total))
 
     def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
-        return mlx_quant.packed_nbytes(type_name, N, K)
+        return mlx_quant.packed_nbytes(type_name, N, K, self.convert_bits)
 
     def plan_scratch_nbytes(self, largest: int) -> int:
         return 0  # quantized_matmul reads the packed weights directly
@@ -133,7 +136,7 @@ class MlxBackend:
         pass
 
     def upload_matrix(self, name, type_name, raw, N, K, done=None):
-        w = convert(raw, type_name, N, K)
+        w = convert(raw, type_name, N, K, self.convert_bits)
         mx.eval(*(a for a in (w.wq, w.scales, w.biases, w.w) if a is not None))
         if done is not None:
             done(0, N * row_nbytes(type_name, K))
@@ -146,7 +149,8 @@ class MlxBackend:
         return v
 
     def upload_embedding(self, type_name, rows, dim):
-        w = convert(np.asarray(rows).reshape(-1), type_name, rows.shape[0], dim)
+        w = convert(np.asarray(rows).reshape(-1), type_name, rows.shape[0], dim,
+                    self.convert_bits)
         self._held += w.nbytes
         return w
 
@@ -181,11 +185,10 @@ class MlxBackend:
         return self.rms_norm(x.reshape(n, n_heads, -1), weight, eps).reshape(n, -1)
 
     def rope(self, x, n_heads, positions, spec: RopeSpec):
-        cos, sin = self._rope.lookup(positions, spec)
-        c, s = mx.array(cos)[:, None, :], mx.array(sin)[:, None, :]
+        c, s = self._rope.on_device(positions, spec, lambda a: mx.array(a)[:, None, :])
         n = x.shape[0]
         y = x.reshape(n, n_heads, -1)
-        half = cos.shape[1]
+        half = c.shape[2]
         rest = y[..., 2 * half:]
         if spec.neox:
             a, b = y[..., :half], y[..., half:2 * half]
@@ -200,7 +203,8 @@ class MlxBackend:
         pages = kv.pages
         lay = pages.layout
         n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
-        plan = self._attention_plan(kv, positions, window, pages)
+        plan = self._plans.get(kv, positions, window,
+                               pages.k.data.shape[0] // lay.block_size)
         write = mx.array(plan.write.astype(np.int32))
         pages.k.write(write, k.reshape(n, n_kv, hd))
         pages.v.write(write, v.reshape(n, n_kv, hd))
@@ -226,15 +230,6 @@ class MlxBackend:
             for rows, o in parts:
                 out[mx.array(rows.astype(np.int32))] = o
         return out.reshape(n, n_heads * hd)
-
-    def _attention_plan(self, kv: LayerKV, positions, window, pages):
-        m = self._plan_memo
-        if m is None or m[0] is not kv.tables or m[1] is not positions or m[2] != window \
-                or m[3] is not kv.row_seq:
-            n_blocks = pages.k.data.shape[0] // pages.layout.block_size
-            plan = attention_plan(kv, positions, window, n_blocks)
-            m = self._plan_memo = (kv.tables, positions, window, kv.row_seq, plan)
-        return m[4]
 
     def decoder_block(self, x, w, spec, positions, kv):
         raise NotImplementedError("the MLX backend runs blocks op by op (fused_blocks=False)")

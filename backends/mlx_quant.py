@@ -118,11 +118,11 @@ def dequantized_rows(raw: np.ndarray, type_name: str, N: int, K: int):
         yield dequantize(np.ascontiguousarray(part).reshape(-1), type_name, (part.shape[0], K))
 
 
-def packed_nbytes(type_name: str, N: int, K: int) -> int:
+def packed_nbytes(type_name: str, N: int, K: int, convert_bits: dict | None = None) -> int:
     """Bytes of a matrix in the MLX backend: packed quants plus float32 scales and biases
-    per group, or float32 values for float formats."""
+    per group, or the float values of float formats."""
     if type_name in FLOAT:
         return N * K * {"F32": 4, "F16": 2, "BF16": 2}[type_name]
-    bits = CONVERT_BITS.get(type_name) or {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
+    bits = (convert_bits or CONVERT_BITS).get(type_name) or {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
                                             "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}[type_name]
     return N * K * bits // 8 + N * (K // GROUP) * 8

@@ -21,7 +21,7 @@ from localllm.quants import row_nbytes
 
 from . import torch_kv
 from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
-from .host import RopeTables, attention_plan, kv_block_nbytes
+from .host import PlanCache, RopeTables, kv_block_nbytes
 from .torch_quant import dequantize_rows
 
 # Elements of a weight dequantized at once: bounds the scratch (a 262k-row output head is
@@ -86,7 +86,7 @@ class TorchBackend:
             torch.set_num_threads(int(threads))
         self.scratch_elems = int(scratch_elems)
         self._rope = RopeTables()
-        self._plan_memo = None
+        self._plans = PlanCache()
         self._held = 0
 
     # ---- memory ----------------------------------------------------------------------
@@ -171,12 +171,11 @@ class TorchBackend:
         return self.rms_norm(x.reshape(n, n_heads, -1), weight, eps).reshape(n, -1)
 
     def rope(self, x, n_heads, positions, spec: RopeSpec):
-        cos, sin = self._rope.lookup(positions, spec)
-        c = torch.from_numpy(cos).to(self.torch_device)[:, None, :]
-        s = torch.from_numpy(sin).to(self.torch_device)[:, None, :]
+        c, s = self._rope.on_device(
+            positions, spec, lambda a: torch.from_numpy(a).to(self.torch_device)[:, None, :])
         n = x.shape[0]
         y = x.reshape(n, n_heads, -1).clone()
-        half = cos.shape[1]
+        half = c.shape[2]
         if spec.neox:
             a, b = y[..., :half].clone(), y[..., half:2 * half].clone()
             y[..., :half] = a * c - b * s
@@ -191,7 +190,8 @@ class TorchBackend:
         pages = kv.pages
         lay = pages.layout
         n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
-        plan = self._attention_plan(kv, positions, window, pages)
+        plan = self._plans.get(kv, positions, window,
+                               pages.k.data.shape[0] // lay.block_size)
         dev = self.torch_device
         write = torch.from_numpy(plan.write).to(dev)
         pages.k.write(write, k.reshape(n, n_kv, hd))
@@ -211,16 +211,6 @@ class TorchBackend:
             p = torch.softmax(scores, dim=-1)
             out[rows] = (p @ V).permute(1, 0, 2)
         return out.reshape(n, n_heads * hd)
-
-    def _attention_plan(self, kv: LayerKV, positions, window, pages):
-        # Every layer of a group sees the same tables and positions in one forward pass.
-        m = self._plan_memo
-        if m is None or m[0] is not kv.tables or m[1] is not positions or m[2] != window \
-                or m[3] is not kv.row_seq:
-            n_blocks = pages.k.data.shape[0] // pages.layout.block_size
-            plan = attention_plan(kv, positions, window, n_blocks)
-            m = self._plan_memo = (kv.tables, positions, window, kv.row_seq, plan)
-        return m[4]
 
     def decoder_block(self, x, w, spec, positions, kv):
         raise NotImplementedError("the torch backend runs blocks op by op (fused_blocks=False)")

@@ -29,18 +29,28 @@ TOL_ATTENTION = 1e-11  # the same stored keys and values, float32 softmax (seen 
 
 
 def _backends():
-    out = []
+    """The backends under test: each device build's CPU stand-in, and CUDA and Metal where
+    the machine has it (marked, so `-m cuda` selects it and it skips elsewhere)."""
     try:
-        from localllm.backends.torch import TorchBackend
-        out.append(pytest.param(lambda: TorchBackend(device="cpu", threads=2), id="torch"))
+        from localllm.backends.torch import TorchBackend, cuda_available
+        has_torch = True
     except ImportError:
-        out.append(pytest.param(None, id="torch", marks=pytest.mark.skip("torch not installed")))
+        has_torch = False
     try:
         from localllm.backends.mlx import MlxBackend
-        out.append(pytest.param(lambda: MlxBackend(), id="mlx"))
+        has_mlx = True
     except ImportError:
-        out.append(pytest.param(None, id="mlx", marks=pytest.mark.skip("mlx not installed")))
-    return out
+        has_mlx = False
+    no_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
+    no_mlx = pytest.mark.skipif(not has_mlx, reason="mlx is not installed")
+    return [
+        pytest.param(lambda: TorchBackend(device="cpu", threads=2), id="torch", marks=no_torch),
+        pytest.param(lambda: TorchBackend(device="cuda"), id="torch-cuda",
+                     marks=[pytest.mark.cuda, no_torch, pytest.mark.skipif(
+                         not (has_torch and cuda_available()), reason="no CUDA device")]),
+        # MLX computes on its default device: Metal where present, else its CPU build.
+        pytest.param(lambda: MlxBackend(), id="mlx", marks=no_mlx),
+    ]
 
 
 @pytest.fixture(scope="module", params=_backends())
@@ -259,3 +269,12 @@ def test_attention_refuses_a_block_it_does_not_hold(be):
     x = np.zeros((1, 32), np.float32)
     with pytest.raises(ValueError, match="not held"):
         _attend(be, batch, pages, x, x, x, 1, 1.0, 0)
+
+
+@pytest.mark.metal
+def test_mlx_computes_on_metal_where_present():
+    mx = pytest.importorskip("mlx.core")
+    if not mx.metal.is_available():
+        pytest.skip("no Metal device")
+    from localllm.backends.mlx import MlxBackend
+    assert MlxBackend().device == "metal"
