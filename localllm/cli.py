@@ -262,7 +262,7 @@ def cmd_run(args) -> int:
         s, kv = stream.stats, model.kv_stats()
         mb = 1 << 20
         print(model.plan.format(), file=sys.stderr)
-        print(f"load: {load_s:.2f} s ({model.path.name}, {_split(model)}, ctx {model.ctx})\n"
+        print(f"load: {load_s:.2f} s ({model.path.name}, {model.plan.summary()}, ctx {model.ctx})\n"
               f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s "
               f"({s.prompt_tps:.1f} tok/s), {s.cached_tokens} cached\n"
               f"generated: {s.generated_tokens} tokens in {s.generate_seconds:.3f} s "
@@ -275,16 +275,6 @@ def cmd_run(args) -> int:
               f"({kv.blocks_total * kv.block_size * kv.bytes_per_token / mb:.0f} MB limit)\n"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
-
-
-def _split(model) -> str:
-    """'cpu' or e.g. 'torch (cuda:0) 20/30 layers + cpu'."""
-    p = model.plan
-    if p.gpu_layers == 0:
-        return "cpu"
-    gpu = p.devices[1].backend
-    rest = " + cpu" if p.gpu_layers < p.n_layers else ""
-    return f"{gpu.name} ({gpu.device}) {p.gpu_layers}/{p.n_layers} layers{rest}"
 
 
 def cmd_perplexity(args) -> int:

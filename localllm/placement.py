@@ -130,6 +130,14 @@ class MemoryPlan:
                 head = d.backend
         return Placement(cpu, tuple(layers), head)
 
+    def summary(self) -> str:
+        """Where the layers run in a few words: 'cpu', or e.g. 'torch (cuda:0) 20/30 layers
+        + cpu'."""
+        if self.gpu_layers == 0:
+            return "cpu"
+        rest = " + cpu" if self.gpu_layers < self.n_layers else ""
+        return f"{self.devices[1].label} {self.gpu_layers}/{self.n_layers} layers{rest}"
+
     def format(self) -> str:
         """The ledger as a table (``llm inspect --plan``, ``llm run -v``)."""
         mib = 1 << 20

@@ -46,9 +46,9 @@ print(json.dumps({"prompt_tps": pp, "decode_tps": tg}))
 """
 
 
-def parity(path, fx, ref, backend: str, ngl) -> dict:
+def parity(path, fx, ref, backend: str, ngl, threads: int) -> dict:
     import localllm
-    m = localllm.load(path, ctx_size=2048, backend=backend, gpu_layers=ngl)
+    m = localllm.load(path, ctx_size=2048, threads=threads, backend=backend, gpu_layers=ngl)
     top1, kl = compare(ref["logits"], m.logits(fx["ids"]))
     hits = total = 0
     for (p, c), pred in zip(ref["greedy"], greedy_rows(m, ref["greedy"])):
@@ -75,6 +75,24 @@ def speed(m, ids) -> dict:
     return {"prompt_tps": pp, "decode_tps": gen.stats.generate_tps}
 
 
+def machine() -> str:
+    """The CPU's model name, and the CUDA device's where torch sees one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} beside {cpu}"
+    except ImportError:
+        pass
+    return cpu
+
+
 def llama_speed(python: str, path, ngl: int, ids) -> dict | None:
     ids = (ids * (PROMPT_TOKENS // len(ids) + 1))[:PROMPT_TOKENS]
     r = subprocess.run([python, "-c", _LLAMA, str(path), str(ngl), json.dumps(ids),
@@ -93,6 +111,8 @@ def main() -> int:
                     help="layers on the GPU in the split run (default: half)")
     ap.add_argument("--llama-python", default=None,
                     help="a Python whose llama-cpp-python has GPU offload (CUDA build)")
+    ap.add_argument("-t", "--threads", type=int, default=0,
+                    help="CPU threads (default: the physical cores)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -100,10 +120,13 @@ def main() -> int:
     from localllm.fetch import resolve_model_path
     from test_backends_models import GREEDY_PROMPTS
     results, failed = [], False
+    from localllm.kernels.simd import ISA
+    print(f"machine: {machine()}, {args.threads or 'all physical'} CPU threads, CPU backend's "
+          f"kernel path {ISA}", flush=True)
     for name in args.models:
         path = resolve_model_path(name)
         fx = json.loads((ROOT / f"tests/fixtures/logits/{FIXTURE[name]}_logits.json").read_text())
-        cpu = localllm.load(path, ctx_size=2048, backend="cpu")
+        cpu = localllm.load(path, ctx_size=2048, threads=args.threads, backend="cpu")
         seqs = []
         for g in fx["greedy"][:GREEDY_PROMPTS]:
             cont = [t for c in cpu.generate(g["prompt_ids"], temperature=0, max_tokens=32,
@@ -111,9 +134,14 @@ def main() -> int:
             seqs.append((g["prompt_ids"], cont))
         ref = {"logits": cpu.logits(fx["ids"]), "greedy": seqs}
         n = cpu.args.n_layers
+        base = {"model": name, "backend": "cpu", "gpu_layers": 0, **speed(cpu, fx["ids"])}
         cpu.close()
+        print(f"{name} cpu backend: prompt {base['prompt_tps']:.0f} tok/s, decode "
+              f"{base['decode_tps']:.1f} tok/s", flush=True)
+        results.append(base)
         for ngl in ("all", args.split or n // 2):
-            r = {"model": name, "backend": args.backend, **parity(path, fx, ref, args.backend, ngl)}
+            r = {"model": name, "backend": args.backend, **parity(path, fx, ref, args.backend, ngl,
+                                                                args.threads)}
             if args.llama_python:
                 # llama.cpp offloads its output layer only past the last repeating layer
                 # (-ngl n_layers + 1); ours goes with the last GPU layer.
@@ -131,8 +159,8 @@ def main() -> int:
                      if lc else ""), flush=True)
             results.append(r)
     if args.json:
-        print(json.dumps({"machine": platform.processor() or platform.machine(),
-                          "results": results}, indent=2))
+        print(json.dumps({"machine": machine(), "threads": args.threads, "results": results},
+                         indent=2))
     return 1 if failed else 0
 
 

@@ -77,16 +77,30 @@ def reference(smollm_path, gemma_path):
     return out
 
 
-def _load(path, backend, ngl):
-    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
-    return localllm.load(path, ctx_size=1024, threads=2, backend=backend, gpu_layers=ngl)
+@pytest.fixture(scope="module")
+def loaded():
+    """Models loaded on a backend and split, each once for this module's tests:
+    ``loaded(path, backend, ngl)``."""
+    have = {}
+
+    def get(path, backend, ngl):
+        pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+        key = (str(path), backend, ngl)
+        if key not in have:
+            have[key] = localllm.load(path, ctx_size=1024, threads=2, batch_size=64,
+                                      backend=backend, gpu_layers=ngl)
+        return have[key]
+
+    yield get
+    for m in have.values():
+        m.close()
 
 
 @pytest.mark.parametrize("name", ["smollm", "gemma"])
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-def test_backend_agrees_with_the_cpu_backend(reference, name, config):
+def test_backend_agrees_with_the_cpu_backend(reference, loaded, name, config):
     ref = reference[name]
-    m = _load(ref["path"], *config)
+    m = loaded(ref["path"], *config)
     n = m.args.n_layers
     want = n if config[1] == "all" else config[1]
     assert m.plan.gpu_layers == want
@@ -101,10 +115,88 @@ def test_backend_agrees_with_the_cpu_backend(reference, name, config):
     print(f"{name} {_config_id(config)}: top-1 {top1:.4f}, mean KL {kl:.5f}, greedy argmax "
           f"{hits / total:.4f} over {total} positions")
     _check_ledger(m)
-    m.close()
     assert top1 >= TOP1_MIN[name]
     assert kl <= KL_MAX
     assert hits / total >= GREEDY_MIN
+
+
+# Batched, forked and trimmed runs on a split against the same tokens run alone: the GPU
+# backends are not batch-invariant (a GEMM's reduction order follows its shape), so the
+# logits agree to float32 rounding rather than bit for bit.
+SAME_KL_MAX = 1e-6
+SPLITS = [("torch", 10), ("mlx", 10)]
+
+
+def _close(got, want, what):
+    top1, kl = compare(want, got)
+    print(f"  {what}: top-1 {top1:.4f}, mean KL {kl:.2e}")
+    assert top1 == 1.0 and kl <= SAME_KL_MAX, what
+
+
+@pytest.mark.parametrize("config", SPLITS, ids=_config_id)
+def test_step_fork_and_trim_on_a_split(smollm_path, loaded, config):
+    m = loaded(smollm_path, *config)
+    ids = json.loads((FIXTURES / "smollm_logits.json").read_text())["ids"][:90]
+    whole = m.logits(ids)
+    # one forward over three sequences of different lengths, one of them mid-prompt
+    parts = [ids[:70], ids[:23], ids[40:90]]
+    items = [(m.new_sequence(), p, True) for p in parts]
+    try:
+        outs = m.step(items)
+        _close(outs[0], whole[:70], "step row 0")
+        _close(outs[1], whole[:23], "step row 1")
+        _close(outs[2], m.logits(ids[40:90]), "step row 2")
+    finally:
+        for seq, _, _ in items:
+            seq.release()
+    # a fork shares the half-filled block and copies it when either side writes on
+    with m.new_sequence() as a:
+        a.feed(ids[:37])
+        b = a.fork()
+        _close(b.feed(ids[37:60], all_logits=True), whole[37:60], "fork")
+        _close(a.feed([5, 6, 7], all_logits=True), m.logits(ids[:37] + [5, 6, 7])[37:],
+               "forked-from")
+        assert a.trim(37) == 37
+        _close(a.feed(ids[37:45], all_logits=True), whole[37:45], "trimmed")
+        b.release()
+    assert m.kv_stats().blocks_used == 0
+
+
+def _first_flip_is_a_tie(m, prompt, got, want):
+    """Where a batched greedy run first leaves the solo one, the solo logits there must hold
+    a near tie between the two tokens (float rounding may flip only those)."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            row = m.logits(prompt + want[:i])[-1]
+            assert row[w] - row[g] <= 1e-3 * max(1.0, abs(float(row[w]))), (i, g, w)
+            return
+    assert len(got) == len(want)
+
+
+@pytest.mark.parametrize("config", SPLITS, ids=_config_id)
+def test_batcher_on_a_split(smollm_path, loaded, config):
+    from localllm.batching import Batcher
+    m = loaded(smollm_path, *config)
+    passage = "The river ran under the old stone bridge, past the mill and the church. " * 4
+    prompts = [m.tokenize(p) for p in ("Once upon a time", "def fib(n):", passage)]
+    m.forget_cached()
+    want = [[t for c in m.generate(p, temperature=0, max_tokens=12, ignore_eos=True)
+             for t in c.tokens] for p in prompts]
+    m.forget_cached()
+    b = Batcher(m, token_budget=24)   # the passage goes in chunks beside the decoding ones
+    reqs = [b.add(p, temperature=0, max_tokens=12, ignore_eos=True) for p in prompts[:2]]
+    steps = 0
+    while b.active:
+        b.step()
+        steps += 1
+        if steps == 3:
+            reqs.append(b.add(prompts[2], temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(r.done and r.error is None for r in reqs)
+    for r, p, w in zip(reqs, prompts, want):
+        got = [t for c in r.chunks for t in c.tokens]
+        assert r.chunks[-1].finish_reason == "length"
+        _first_flip_is_a_tie(m, p, got, w)
+    assert m.kv_stats().blocks_used == 0
 
 
 def _check_ledger(m):
@@ -206,3 +298,30 @@ def test_inspect_plan_and_bad_split_flags(smollm_path):
                      (["--backend", "cuda"], "invalid choice")):
         r = llm("inspect", str(smollm_path), "--plan", *bad)
         assert r.returncode != 0 and msg in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_serve_with_a_split(smollm_path, backend):
+    """`llm serve --backend B -ngl 10` says where the layers went and answers from them."""
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+    pytest.importorskip("uvicorn")
+    from server_process import ServerProcess
+    s = ServerProcess(smollm_path, "-c", "256", "--parallel", "2", "--backend", backend,
+                      "-ngl", "10")
+    try:
+        s.wait_ready()
+        assert any(f"{backend} (cpu) 10/30 layers + cpu" in ln for ln in s.lines), s.lines
+        with s.client() as c:
+            r = c.post("/v1/completions", json={"prompt": "The capital of France is",
+                                                "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["text"]
+    finally:
+        s.stop()
+
+
+def test_chat_takes_the_split_options():
+    from localllm.cli import _model_settings, build_parser
+    args = build_parser().parse_args(["chat", "m", "--backend", "mlx", "-ngl", "all"])
+    assert (_model_settings(args)["backend"], _model_settings(args)["gpu_layers"]) == \
+        ("mlx", "all")
