@@ -23,6 +23,7 @@ from localllm.kernels import ops
 from . import cpu_block
 from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
 from .cpu_store import PackedStore
+from .host import RopeTables
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -118,7 +119,7 @@ class CpuBackend:
         """
         if threads:
             set_threads(threads)
-        self._tables: dict[tuple, tuple] = {}
+        self._rope = RopeTables()  # cos/sin per RopeSpec, grown as positions are seen
         self._blocks: dict[int, tuple] = {}
         self._weight_cache = weight_cache
         self._store = None
@@ -219,23 +220,9 @@ class CpuBackend:
 
     def rope(self, x, n_heads, positions, spec: RopeSpec):
         x = np.ascontiguousarray(x)
-        cos, sin = self._rope_table(positions, spec)
+        cos, sin = self._rope.lookup(positions, spec)
         ops.rope(x.reshape(x.shape[0], n_heads, -1), cos, sin, spec.neox)
         return x
-
-    def _rope_table(self, positions, spec: RopeSpec):
-        # One table per spec covering positions seen so far; looked up by index after.
-        key = (spec.n_rot, spec.theta, spec.pos_scale, id(spec.freq_factors))
-        pos = np.asarray(positions, np.int64)
-        hi = int(pos.max()) + 1
-        have = self._tables.get(key)
-        if have is None or have[0].shape[0] < hi:
-            n = max(hi, 2 * (have[0].shape[0] if have else 256))
-            cos, sin = ops.rope_tables(np.arange(n), spec.n_rot, spec.theta,
-                                       spec.freq_factors, spec.pos_scale)
-            have = (cos, sin)
-            self._tables[key] = have
-        return have[0][pos], have[1][pos]
 
     # ---- KV pages --------------------------------------------------------------------
 
@@ -287,7 +274,7 @@ class CpuBackend:
         # up once per (positions, spec) rather than once per layer.
         memo = self._rope_memo
         if memo is None or memo[0] is not positions or memo[1] is not spec.rope:
-            cos, sin = self._rope_table(positions, spec.rope)
+            cos, sin = self._rope.lookup(positions, spec.rope)
             memo = self._rope_memo = (positions, spec.rope, cos, sin,
                                       np.asarray(positions, np.int64))
         x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel

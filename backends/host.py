@@ -1,6 +1,7 @@
 """What the device backends prepare on the host before a layer runs: where each token's keys
 go in its pages, which slots each sequence's attention reads (with the causal and sliding-
-window mask), and rotary cos/sin tables formed exactly as the CPU backend forms them.
+window mask), rotary cos/sin tables formed exactly as the CPU backend forms them, and q4_0
+KV blocks rounded by the CPU pages' own code.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
-from localllm.kernels.kvpages import v_row_nbytes
+from localllm.kernels.kvpages import ROTATED, _q4_block, v_row_nbytes
 from localllm.kernels.ops import rope_tables
 
 from .base import KVLayout, LayerKV, RopeSpec
@@ -21,6 +23,35 @@ def kv_block_nbytes(layout: KVLayout) -> int:
     per = v_row_nbytes(layout.k_type, layout.head_dim) + v_row_nbytes(layout.v_type,
                                                                         layout.head_dim)
     return layout.n_kv_heads * layout.block_size * per
+
+
+def kv_rotated(kv_type: str) -> bool:
+    """Whether a KV type stores its vectors Hadamard-rotated (kvpages.ROTATED): its keys turn
+    with the query, its values on the way in and the attention output on the way out."""
+    return kv_type.upper() in ROTATED
+
+
+@njit(cache=True)
+def _q4_0_rows(x, codes, bits):
+    for r in range(x.shape[0]):
+        bits[r] = _q4_block(x[r], codes[r])
+
+
+def q4_0_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q4_0 KV blocks of 32-dim rows exactly as the CPU pages store them (the scale picked for
+    the least squared error, kvpages._q4_block; its float64 sums are why this runs on the
+    host, where MLX's Metal has no float64).
+
+    Args:
+        x: float32 (m, 32).
+    Returns:
+        (codes uint8 (m, 32) in 0..15, scales float16 (m,)).
+    """
+    x = np.ascontiguousarray(x, np.float32)
+    codes = np.empty(x.shape, np.int32)
+    bits = np.empty(x.shape[0], np.uint16)
+    _q4_0_rows(x, codes, bits)
+    return codes.astype(np.uint8), bits.view(np.float16)
 
 
 @dataclass

@@ -4,7 +4,8 @@ it stands in for the GPU in tests).
 Weights in formats that map exactly onto MLX's affine quantization stay quantized and run
 through mx.quantized_matmul (mlx_quant.py); the others are quantized again by MLX. Compute
 and scales are float32, which keeps the exact mappings exact. KV pages are MLX arrays in
-every KV type (mlx_kv.py); attention gathers each sequence's pages per call.
+every KV type (mlx_kv.py), q8_0 and q4_0 Hadamard-rotated as the CPU backend's; attention
+gathers each sequence's pages per call.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from localllm.quants import row_nbytes
 
 from . import mlx_kv, mlx_quant
 from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
-from .host import PlanCache, RopeTables, kv_block_nbytes
+from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
 
 _GELU_K1 = -2.0 * 0.7978845608028654
 _GELU_K3 = _GELU_K1 * 0.044715
@@ -206,9 +207,13 @@ class MlxBackend:
         plan = self._plans.get(kv, positions, window,
                                pages.k.data.shape[0] // lay.block_size)
         write = mx.array(plan.write.astype(np.int32))
-        pages.k.write(write, k.reshape(n, n_kv, hd))
-        pages.v.write(write, v.reshape(n, n_kv, hd))
-        q3 = q.reshape(n, n_heads, hd)
+        q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
+        # q8_0/q4_0 hold rotated vectors, as the CPU pages do (kernels' paged_attention)
+        turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
+        if turn_k:
+            q3, k3 = mlx_kv.rotate(q3), mlx_kv.rotate(k3)
+        pages.k.write(write, k3)
+        pages.v.write(write, mlx_kv.rotate(v3) if turn_v else v3)
         G = n_heads // n_kv
         parts = []
         for sq in plan.seqs:
@@ -229,6 +234,8 @@ class MlxBackend:
             out = mx.zeros((n, n_heads, hd), dtype=mx.float32)
             for rows, o in parts:
                 out[mx.array(rows.astype(np.int32))] = o
+        if turn_v:
+            out = mlx_kv.rotate(out)
         return out.reshape(n, n_heads * hd)
 
     def decoder_block(self, x, w, spec, positions, kv):

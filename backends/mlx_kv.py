@@ -1,12 +1,16 @@
 """KV pages of a layer as MLX arrays, in every KV type, with the CPU backend's rounding
 (kernels/kvpages.py): f16 and bf16 nearest-even, fp8 E4M3 nearest-even saturating at 448
 (NaN stored as 0; MLX has no fp8 type, so the codes are uint8), q8_0 and q4_0 in llama.cpp's
-blocks of 32 dims with f16 scales. Token-major, as the torch backend's (torch_kv.py).
+blocks of 32 dims with f16 scales (q4_0's scale chosen as the CPU pages choose it), both
+holding Hadamard-rotated vectors (``rotate``). Token-major, as the torch backend's
+(torch_kv.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +18,7 @@ import numpy as np
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVLayout
+from .host import q4_0_blocks
 
 QBLOCK = 32
 FP8_MAX = 448.0
@@ -32,15 +37,29 @@ def _q8_0(x: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def _q4_0(x: mx.array) -> tuple[mx.array, mx.array]:
-    """(..., hd) float32 -> packed nibbles (..., hd / 2) and f16 scales: d = (the value of
-    largest magnitude, the first of equals) / -8, q = min(15, trunc(x / d + 8.5))."""
-    b = x.reshape(*x.shape[:-1], -1, QBLOCK)
-    idx = mx.argmax(mx.abs(b), axis=-1, keepdims=True)
-    d = mx.take_along_axis(b, idx, axis=-1) / -8.0
-    inv = mx.where(d != 0, 1.0 / d, 0.0)
-    q = mx.minimum(b * inv + 8.5, 15.0).astype(mx.uint8)  # truncates; the value is > 0
+    """(..., hd) float32 -> packed nibbles (..., hd / 2) and f16 scales, the CPU pages' own
+    blocks (host.q4_0_blocks); byte i of a block holds dims i (low nibble) and i + 16."""
+    codes, d = q4_0_blocks(np.array(x).reshape(-1, QBLOCK))
+    q = mx.array(codes).reshape(*x.shape[:-1], -1, QBLOCK)
     packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(*x.shape[:-1], -1), d.squeeze(-1).astype(mx.float16)
+    return packed.reshape(*x.shape[:-1], -1), mx.array(d).reshape(*x.shape[:-1], -1)
+
+
+def rotate(x: mx.array) -> mx.array:
+    """Each (..., hd) vector through the normalized fast Walsh-Hadamard transform in blocks
+    of the largest power of two dividing hd, in kvpages.rotate_block's float32 steps (bit
+    for bit the CPU pages' rotation); its own inverse."""
+    hd = x.shape[-1]
+    blk = hd & -hd
+    y = x.reshape(-1, hd // blk, blk)
+    h = 1
+    while h < blk:
+        pairs = y.reshape(y.shape[0], y.shape[1], blk // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        y = mx.stack((a + c, a - c), axis=-2).reshape(y.shape)
+        h *= 2
+    scale = mx.array(np.float32(1.0 / math.sqrt(blk)))
+    return (y * scale).reshape(x.shape)
 
 
 class KVStore:

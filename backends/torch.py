@@ -4,8 +4,8 @@ stands in for a GPU in tests).
 Weights stay as their GGUF blocks on the device; a matmul dequantizes them (bit-exact with
 the numpy reference) in chunks of rows into scratch and multiplies in the compute type:
 float16 on CUDA, float32 on the CPU. Activations between operations are float32. KV pages
-live on the device in every KV type (torch_kv.py); attention gathers each sequence's pages
-through its block table per call. Results are not batch-invariant (a GPU GEMM's reduction
+live on the device in every KV type (torch_kv.py), q8_0 and q4_0 Hadamard-rotated as the CPU
+backend's; attention gathers each sequence's pages through its block table per call. Results are not batch-invariant (a GPU GEMM's reduction
 order depends on its shape), unlike the CPU backend's.
 """
 
@@ -21,7 +21,7 @@ from localllm.quants import row_nbytes
 
 from . import torch_kv
 from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
-from .host import PlanCache, RopeTables, kv_block_nbytes
+from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
 from .torch_quant import dequantize_rows
 
 # Elements of a weight dequantized at once: bounds the scratch (a 262k-row output head is
@@ -194,9 +194,13 @@ class TorchBackend:
                                pages.k.data.shape[0] // lay.block_size)
         dev = self.torch_device
         write = torch.from_numpy(plan.write).to(dev)
-        pages.k.write(write, k.reshape(n, n_kv, hd))
-        pages.v.write(write, v.reshape(n, n_kv, hd))
-        q3 = q.reshape(n, n_heads, hd)
+        q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
+        # q8_0/q4_0 hold rotated vectors, as the CPU pages do (kernels' paged_attention)
+        turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
+        if turn_k:
+            q3, k3 = torch_kv.rotate(q3), torch_kv.rotate(k3)
+        pages.k.write(write, k3)
+        pages.v.write(write, torch_kv.rotate(v3) if turn_v else v3)
         out = torch.empty((n, n_heads, hd), dtype=torch.float32, device=dev)
         G = n_heads // n_kv
         for sq in plan.seqs:
@@ -210,6 +214,8 @@ class TorchBackend:
             scores = scores.masked_fill(~mask, -math.inf)
             p = torch.softmax(scores, dim=-1)
             out[rows] = (p @ V).permute(1, 0, 2)
+        if turn_v:
+            out = torch_kv.rotate(out)
         return out.reshape(n, n_heads * hd)
 
     def decoder_block(self, x, w, spec, positions, kv):

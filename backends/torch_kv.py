@@ -1,6 +1,7 @@
 """KV pages of a layer on a torch device, in every KV type, with the CPU backend's rounding
 (kernels/kvpages.py): f16 and bf16 nearest-even, fp8 E4M3 nearest-even saturating at 448
-(NaN stored as 0), q8_0 and q4_0 in llama.cpp's blocks of 32 dims with f16 scales.
+(NaN stored as 0), q8_0 and q4_0 in llama.cpp's blocks of 32 dims with f16 scales (q4_0's
+scale chosen as the CPU pages choose it), both holding Hadamard-rotated vectors (``rotate``).
 
 A page array is token-major: slot ``block * block_size + offset`` holds one token's
 (n_kv_heads, head_dim) keys or values, so a sequence's keys are one gather of its slots.
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+import numpy as np
 import torch
 
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVLayout
+from .host import q4_0_blocks
 
 QBLOCK = 32  # dims per scale of q8_0 / q4_0
 FP8_MAX = 448.0
@@ -33,16 +38,31 @@ def _q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., hd) float32 -> packed nibbles (..., hd / 2) and f16 scales: d = (the value of
-    largest magnitude, the first of equals) / -8, q = min(15, trunc(x / d + 8.5)); byte i of
-    a block holds dims i (low nibble) and i + 16."""
-    b = x.reshape(*x.shape[:-1], -1, QBLOCK)
-    idx = b.abs().argmax(-1, keepdim=True)
-    d = torch.gather(b, -1, idx) / -8.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.clamp(torch.trunc(b * inv + 8.5), max=15).to(torch.uint8)
+    """(..., hd) float32 -> packed nibbles (..., hd / 2) and f16 scales, the CPU pages' own
+    blocks (host.q4_0_blocks); byte i of a block holds dims i (low nibble) and i + 16."""
+    codes, d = q4_0_blocks(x.detach().cpu().numpy().reshape(-1, QBLOCK))
+    q = torch.from_numpy(codes).to(x.device).reshape(*x.shape[:-1], -1, QBLOCK)
     packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(*x.shape[:-1], -1), d.squeeze(-1).to(torch.float16)
+    scale = torch.from_numpy(d).to(x.device).reshape(*x.shape[:-1], -1)
+    return packed.reshape(*x.shape[:-1], -1), scale
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Each (..., hd) vector through the normalized fast Walsh-Hadamard transform in blocks
+    of the largest power of two dividing hd, with the float32 steps of kvpages.rotate_block
+    (the same butterflies, then one scaling), so it is bit for bit the CPU pages' rotation;
+    its own inverse."""
+    hd = x.shape[-1]
+    blk = hd & -hd
+    y = x.reshape(-1, hd // blk, blk)
+    h = 1
+    while h < blk:
+        pairs = y.reshape(y.shape[0], y.shape[1], blk // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + c, a - c), dim=-2).reshape(y.shape)
+        h *= 2
+    scale = float(np.float32(1.0 / math.sqrt(blk)))
+    return (y * scale).reshape(x.shape)
 
 
 class KVStore:

@@ -13,6 +13,7 @@ from kernel_data import FORMATS, random_weight
 from localllm.backends.base import KVLayout, LayerKV, RopeSpec
 from localllm.backends.cpu import CpuBackend
 from localllm.dequant import dequantize
+from localllm.kernels import attention as attn
 from localllm.quants import row_nbytes
 from test_attention import Cache
 
@@ -236,20 +237,26 @@ def test_attention(be, cpu, kind, H, n_kv, hd, window):
 
 
 @pytest.mark.parametrize("kind", KV_TYPES)
-def test_kv_types_store_the_cpu_backends_values_exactly(be, kind):
+@pytest.mark.parametrize("hd", [64, 96])   # rotated in blocks of 64, and of 32
+def test_kv_types_store_the_cpu_backends_values_exactly(be, kind, hd):
+    """What the pages hold after an attention call, decoded: the CPU pages' own values, the
+    Hadamard rotation of q8_0/q4_0 and q4_0's least-squares scales included."""
     rng = np.random.default_rng(10)
-    n_kv, hd, n = 2, 64, 37
+    n_kv, n = 2, 37
     ref = Cache(kind, n_kv, hd)
     spread = np.exp(rng.uniform(-12, 8, (n, n_kv, 1)))  # tiny to saturating (fp8's 448)
     k = (rng.standard_normal((n, n_kv, hd)) * spread).astype(np.float32)
     v = (rng.standard_normal((n, n_kv, hd)) * spread).astype(np.float32)
     k[0, 0, :5] = [0.0, -0.0, np.nan, 1e6, -1e6] if kind == "fp8" else [0.0, -0.0, 1, 2, 3]
-    ref.write(k, v, np.arange(n))
+    k[1, 1, :32] = 0.0   # an all-zero block
+    q = rnd(rng, n, 2 * n_kv * hd)
+    attn.paged_attention(q.copy(), k.reshape(n, -1).copy(), v.reshape(n, -1).copy(), ref.K,
+                         ref.V, ref.tables, np.zeros(n, np.int32), ref.bs, n_kv,
+                         np.arange(n, dtype=np.int64), 0, 0.125, np.empty_like(q))
     want_k, want_v = ref.stored(n)  # (n_kv, n, hd), decoded from the CPU pages
     layout = KVLayout(n_kv, hd, 16, kind, kind)
     pages = be.new_kv_pages(layout, 4)
     batch = Batch(layout, 4, [[2, 0, 3]], [0] * n, np.arange(n))
-    q = rnd(rng, n, 2 * n_kv * hd)
     be.attention(be.from_numpy(q), be.from_numpy(k.reshape(n, -1)),
                  be.from_numpy(v.reshape(n, -1)), batch.kv(pages), batch.positions, 2 * n_kv,
                  0.125)

@@ -310,7 +310,8 @@ def test_serve_with_a_split(smollm_path, backend):
                       "-ngl", "10")
     try:
         s.wait_ready()
-        assert any(f"{backend} (cpu) 10/30 layers + cpu" in ln for ln in s.lines), s.lines
+        assert any(re.search(rf"model ready: .*{backend} \([\w:-]+\) 10/30 layers \+ cpu", ln)
+                   for ln in s.lines), s.lines
         with s.client() as c:
             r = c.post("/v1/completions", json={"prompt": "The capital of France is",
                                                 "max_tokens": 6, "temperature": 0})
