@@ -7,6 +7,7 @@ KV blocks rounded by the CPU pages' own code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -31,6 +32,27 @@ def kv_rotated(kv_type: str) -> bool:
     return kv_type.upper() in ROTATED
 
 
+def hadamard(x, stack):
+    """Each (..., hd) vector of a device array (torch or MLX) through the normalized fast
+    Walsh-Hadamard transform in blocks of the largest power of two dividing hd, with the
+    float32 steps of kvpages.rotate_block (the same butterflies, then one scaling), so it is
+    bit for bit the CPU pages' rotation; its own inverse.
+
+    Args:
+        x: the array; stack(a, b): a and b stacked along a new second-to-last axis.
+    """
+    hd = x.shape[-1]
+    blk = hd & -hd
+    y = x.reshape(-1, hd // blk, blk)
+    h = 1
+    while h < blk:
+        pairs = y.reshape(y.shape[0], y.shape[1], blk // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        y = stack(a + c, a - c).reshape(y.shape)
+        h *= 2
+    return (y * float(np.float32(1.0 / np.sqrt(blk)))).reshape(x.shape)
+
+
 @njit(cache=True)
 def _q4_0_rows(x, codes, bits):
     for r in range(x.shape[0]):
@@ -52,6 +74,26 @@ def q4_0_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bits = np.empty(x.shape[0], np.uint16)
     _q4_0_rows(x, codes, bits)
     return codes.astype(np.uint8), bits.view(np.float16)
+
+
+@dataclass
+class DeviceKVPages:
+    """One layer's KV pages on a device backend: keys and values, each a KVStore of that
+    backend (torch_kv, mlx_kv) with ``nbytes`` and ``read_numpy(start, stop)``."""
+    layout: KVLayout
+    k: Any
+    v: Any
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def read_block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of one block as float32 numpy (block_size, n_kv, hd) each, for
+        inspection and tests."""
+        bs = self.layout.block_size
+        return (self.k.read_numpy(block * bs, (block + 1) * bs),
+                self.v.read_numpy(block * bs, (block + 1) * bs))
 
 
 @dataclass

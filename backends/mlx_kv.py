@@ -8,17 +8,13 @@ holding Hadamard-rotated vectors (``rotate``). Token-major, as the torch backend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import math
-
 import mlx.core as mx
 import numpy as np
 
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVLayout
-from .host import q4_0_blocks
+from .host import DeviceKVPages, hadamard, q4_0_blocks
 
 QBLOCK = 32
 FP8_MAX = 448.0
@@ -46,20 +42,8 @@ def _q4_0(x: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def rotate(x: mx.array) -> mx.array:
-    """Each (..., hd) vector through the normalized fast Walsh-Hadamard transform in blocks
-    of the largest power of two dividing hd, in kvpages.rotate_block's float32 steps (bit
-    for bit the CPU pages' rotation); its own inverse."""
-    hd = x.shape[-1]
-    blk = hd & -hd
-    y = x.reshape(-1, hd // blk, blk)
-    h = 1
-    while h < blk:
-        pairs = y.reshape(y.shape[0], y.shape[1], blk // (2 * h), 2, h)
-        a, c = pairs[..., 0, :], pairs[..., 1, :]
-        y = mx.stack((a + c, a - c), axis=-2).reshape(y.shape)
-        h *= 2
-    scale = mx.array(np.float32(1.0 / math.sqrt(blk)))
-    return (y * scale).reshape(x.shape)
+    """The CPU pages' Hadamard rotation of each (..., hd) vector (host.hadamard)."""
+    return hadamard(x, lambda a, b: mx.stack((a, b), axis=-2))
 
 
 class KVStore:
@@ -112,35 +96,20 @@ class KVStore:
         s = mx.repeat(self.scale[slots].astype(mx.float32), QBLOCK, axis=-1)
         return q * s
 
+    def read_numpy(self, start: int, stop: int):
+        """Slots start..stop-1 as float32 numpy."""
+        return np.array(self.read(mx.arange(start, stop)))
+
     def copy(self, src: mx.array, dst: mx.array) -> None:
         self.data[dst] = self.data[src]
         if self.scale is not None:
             self.scale[dst] = self.scale[src]
 
 
-@dataclass
-class MlxKVPages:
-    """One layer's KV pages as MLX arrays."""
-    layout: KVLayout
-    k: KVStore
-    v: KVStore
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def read_block(self, block: int):
-        """Keys and values of one block as float32 numpy (block_size, n_kv, hd) each, for
-        inspection and tests."""
-        bs = self.layout.block_size
-        slots = mx.arange(block * bs, (block + 1) * bs)
-        return np.array(self.k.read(slots)), np.array(self.v.read(slots))
-
-
-def new_pages(layout: KVLayout, n_blocks: int) -> MlxKVPages:
+def new_pages(layout: KVLayout, n_blocks: int) -> DeviceKVPages:
     """Zeroed pages for n_blocks blocks (MLX allocates them when first evaluated)."""
     for t in (layout.k_type, layout.v_type):
         check_head_dim(t, layout.head_dim)
     n = n_blocks * layout.block_size
-    return MlxKVPages(layout, KVStore(layout.k_type, n, layout.n_kv_heads, layout.head_dim),
+    return DeviceKVPages(layout, KVStore(layout.k_type, n, layout.n_kv_heads, layout.head_dim),
                       KVStore(layout.v_type, n, layout.n_kv_heads, layout.head_dim))

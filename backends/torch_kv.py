@@ -9,17 +9,12 @@ A page array is token-major: slot ``block * block_size + offset`` holds one toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import math
-
-import numpy as np
 import torch
 
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVLayout
-from .host import q4_0_blocks
+from .host import DeviceKVPages, hadamard, q4_0_blocks
 
 QBLOCK = 32  # dims per scale of q8_0 / q4_0
 FP8_MAX = 448.0
@@ -48,21 +43,8 @@ def _q4_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """Each (..., hd) vector through the normalized fast Walsh-Hadamard transform in blocks
-    of the largest power of two dividing hd, with the float32 steps of kvpages.rotate_block
-    (the same butterflies, then one scaling), so it is bit for bit the CPU pages' rotation;
-    its own inverse."""
-    hd = x.shape[-1]
-    blk = hd & -hd
-    y = x.reshape(-1, hd // blk, blk)
-    h = 1
-    while h < blk:
-        pairs = y.reshape(y.shape[0], y.shape[1], blk // (2 * h), 2, h)
-        a, c = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((a + c, a - c), dim=-2).reshape(y.shape)
-        h *= 2
-    scale = float(np.float32(1.0 / math.sqrt(blk)))
-    return (y * scale).reshape(x.shape)
+    """The CPU pages' Hadamard rotation of each (..., hd) vector (host.hadamard)."""
+    return hadamard(x, lambda a, b: torch.stack((a, b), dim=-2))
 
 
 class KVStore:
@@ -114,36 +96,21 @@ class KVStore:
         s = self.scale[slots].float().repeat_interleave(QBLOCK, dim=-1)
         return q * s
 
+    def read_numpy(self, start: int, stop: int):
+        """Slots start..stop-1 as float32 numpy."""
+        return self.read(torch.arange(start, stop, device=self.data.device)).cpu().numpy()
+
     def copy(self, src: slice, dst: slice) -> None:
         self.data[dst] = self.data[src]
         if self.scale is not None:
             self.scale[dst] = self.scale[src]
 
 
-@dataclass
-class TorchKVPages:
-    """One layer's KV pages on a torch device."""
-    layout: KVLayout
-    k: KVStore
-    v: KVStore
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def read_block(self, block: int):
-        """Keys and values of one block as float32 numpy (block_size, n_kv, hd) each, for
-        inspection and tests."""
-        bs = self.layout.block_size
-        slots = torch.arange(block * bs, (block + 1) * bs, device=self.k.data.device)
-        return self.k.read(slots).cpu().numpy(), self.v.read(slots).cpu().numpy()
-
-
-def new_pages(layout: KVLayout, n_blocks: int, device) -> TorchKVPages:
+def new_pages(layout: KVLayout, n_blocks: int, device) -> DeviceKVPages:
     """Zeroed pages for n_blocks blocks (zeros: a masked slot never holds NaN)."""
     for t in (layout.k_type, layout.v_type):
         check_head_dim(t, layout.head_dim)
     n = n_blocks * layout.block_size
-    return TorchKVPages(layout,
+    return DeviceKVPages(layout,
                         KVStore(layout.k_type, n, layout.n_kv_heads, layout.head_dim, device),
                         KVStore(layout.v_type, n, layout.n_kv_heads, layout.head_dim, device))
