@@ -200,7 +200,8 @@ class MlxBackend:
             rot = [mx.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(n, n_heads, -1)]
         return mx.concatenate(rot + [rest], axis=-1).reshape(n, -1)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0):
+    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+                  k_balance=None):
         pages = kv.pages
         lay = pages.layout
         n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
@@ -208,9 +209,12 @@ class MlxBackend:
                                pages.k.data.shape[0] // lay.block_size)
         write = mx.array(plan.write.astype(np.int32))
         q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
-        # q8_0/q4_0 hold rotated vectors, as the CPU pages do (kernels' paged_attention)
+        # q8_0/q4_0 hold balanced, rotated vectors as the CPU pages do (paged_attention)
         turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
         if turn_k:
+            if k_balance is not None:  # powers of two per dim: exact, as the CPU's
+                d = mx.array(np.asarray(k_balance, np.float32))
+                q3, k3 = q3 * d, k3 / d
             q3, k3 = mlx_kv.rotate(q3), mlx_kv.rotate(k3)
         pages.k.write(write, k3)
         pages.v.write(write, mlx_kv.rotate(v3) if turn_v else v3)

@@ -240,7 +240,8 @@ def test_attention(be, cpu, kind, H, n_kv, hd, window):
 @pytest.mark.parametrize("hd", [64, 96])   # rotated in blocks of 64, and of 32
 def test_kv_types_store_the_cpu_backends_values_exactly(be, kind, hd):
     """What the pages hold after an attention call, decoded: the CPU pages' own values, the
-    Hadamard rotation of q8_0/q4_0 and q4_0's least-squares scales included."""
+    key balance and Hadamard rotation of q8_0/q4_0 and q4_0's least-squares scales
+    included."""
     rng = np.random.default_rng(10)
     n_kv, n = 2, 37
     ref = Cache(kind, n_kv, hd)
@@ -250,16 +251,24 @@ def test_kv_types_store_the_cpu_backends_values_exactly(be, kind, hd):
     k[0, 0, :5] = [0.0, -0.0, np.nan, 1e6, -1e6] if kind == "fp8" else [0.0, -0.0, 1, 2, 3]
     k[1, 1, :32] = 0.0   # an all-zero block
     q = rnd(rng, n, 2 * n_kv * hd)
+    # a key balance (kvpages.key_balance: per-dim powers of two) at head size 64
+    bal = 2.0 ** rng.integers(-3, 4, hd).astype(np.float32) if hd == 64 else None
+    out_ref = np.empty_like(q)
     attn.paged_attention(q.copy(), k.reshape(n, -1).copy(), v.reshape(n, -1).copy(), ref.K,
                          ref.V, ref.tables, np.zeros(n, np.int32), ref.bs, n_kv,
-                         np.arange(n, dtype=np.int64), 0, 0.125, np.empty_like(q))
+                         np.arange(n, dtype=np.int64), 0, 0.125,
+                         np.zeros(0, np.float32) if bal is None else bal, out_ref)
     want_k, want_v = ref.stored(n)  # (n_kv, n, hd), decoded from the CPU pages
     layout = KVLayout(n_kv, hd, 16, kind, kind)
     pages = be.new_kv_pages(layout, 4)
     batch = Batch(layout, 4, [[2, 0, 3]], [0] * n, np.arange(n))
-    be.attention(be.from_numpy(q), be.from_numpy(k.reshape(n, -1)),
-                 be.from_numpy(v.reshape(n, -1)), batch.kv(pages), batch.positions, 2 * n_kv,
-                 0.125)
+    out = be.attention(be.from_numpy(q), be.from_numpy(k.reshape(n, -1)),
+                       be.from_numpy(v.reshape(n, -1)), batch.kv(pages), batch.positions,
+                       2 * n_kv, 0.125, 0, None if bal is None else tuple(float(x) for x in bal))
+    # keys up to fp8's 448 make scores of thousands: float32 softmax sums in another order
+    # differ more than on the op test's data (an unbalanced query is off by NMSE ~1)
+    check(f"{be.name} attention {kind} hd={hd} balanced={bal is not None}", be.to_numpy(out),
+          out_ref, 1e-8)
     got = [np.concatenate(x) for x in zip(*(pages.read_block(b) for b in (2, 0, 3)))]
     for side, have, want in (("keys", got[0], want_k), ("values", got[1], want_v)):
         np.testing.assert_array_equal(have[:n].transpose(1, 0, 2), want, err_msg=side)
