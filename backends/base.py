@@ -41,11 +41,22 @@ class LayerKV:
     block_size: int
 
 
+@dataclass(frozen=True)
+class MemoryInfo:
+    """The memory a backend allocates from: the pool's name (backends naming the same pool
+    share its bytes, e.g. "host"), and its free and total bytes now."""
+    pool: str
+    free: int
+    total: int
+
+
 class Backend(Protocol):
     """Operations a model uses. ``x`` arrays are (n_tokens, features) unless noted."""
 
     name: str
+    device: str          # where it computes, e.g. "cpu", "cuda:0"
     fused_blocks: bool   # decoder_block runs a whole block natively (else it is composed)
+    copies_weights: bool  # uploads copy the file's bytes (its pages may then be dropped)
 
     def begin_model(self, gguf_path: Any) -> None:
         """Called before a model's tensors are uploaded (e.g. to reuse stored conversions)."""
@@ -68,6 +79,20 @@ class Backend(Protocol):
 
     def matrix_nbytes(self, w: Any) -> int:
         """Bytes an uploaded matrix occupies."""
+
+    # ---- memory (the ledger plans with these before anything is allocated)
+
+    def memory_info(self) -> MemoryInfo:
+        """The pool this backend allocates from, and what is free in it now."""
+
+    def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
+        """Bytes upload_matrix will take for a (N, K) matrix of this GGUF type."""
+
+    def plan_scratch_nbytes(self, largest: int) -> int:
+        """Working bytes beyond activations, for matrices of at most ``largest`` elements."""
+
+    def held_nbytes(self) -> int:
+        """Bytes of weights and KV pages this backend holds now."""
 
     # ---- math
 

@@ -14,14 +14,16 @@ from typing import Sequence
 import numpy as np
 
 from localllm.dequant import dequantize
+from localllm.quants import row_nbytes
 from localllm.kernels import attention as attn_k
 from localllm.kernels import kvpages
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
 
 from . import cpu_block
-from .base import KVLayout, LayerKV, RopeSpec
+from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
 from .cpu_store import PackedStore
+from .host import RopeTables
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -105,6 +107,7 @@ class CpuBackend:
     """Backend on the host CPU."""
 
     name = "cpu"
+    device = "cpu"
     copies_weights = True  # matrices are repacked, so the file's pages can be dropped
 
     def __init__(self, threads: int | None = None, fused: bool = True,
@@ -116,13 +119,37 @@ class CpuBackend:
         """
         if threads:
             set_threads(threads)
-        self._tables: dict[tuple, tuple] = {}
+        self._rope = RopeTables()  # cos/sin per RopeSpec, grown as positions are seen
         self._blocks: dict[int, tuple] = {}
         self._weight_cache = weight_cache
         self._store = None
         self._rope_memo = None
+        self._held = 0
+        self._tile_bytes: dict[tuple[str, int], int] = {}
         # False: blocks run op by op (models/block.py's reference composition); same bits.
         self.fused_blocks = fused
+
+    # ---- memory --------------------------------------------------------------------
+
+    def memory_info(self) -> MemoryInfo:
+        import psutil
+        vm = psutil.virtual_memory()
+        return MemoryInfo("host", int(vm.available), int(vm.total))
+
+    def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
+        """Packed bytes: the kernels' layout per 16-row tile (measured once per format and
+        row length by packing one empty tile), times the tiles."""
+        key = (type_name, K)
+        if key not in self._tile_bytes:
+            rows = np.zeros(16 * row_nbytes(type_name, K), np.uint8)
+            self._tile_bytes[key] = mm.pack(type_name, rows, 16, K).nbytes
+        return -(-N // 16) * self._tile_bytes[key]
+
+    def plan_scratch_nbytes(self, largest: int) -> int:
+        return 0  # the kernels read the packed blocks directly
+
+    def held_nbytes(self) -> int:
+        return self._held
 
     # ---- weights -------------------------------------------------------------------
 
@@ -142,14 +169,18 @@ class CpuBackend:
         if store is not None:
             w = store.get(name, type_name, N, K)
             if w is not None:
+                self._held += w.nbytes
                 return w
         w = mm.pack(type_name, raw, N, K, done)
         if store is not None:
             store.add(name, w)
+        self._held += w.nbytes
         return w
 
     def upload_vector(self, values):
-        return np.ascontiguousarray(values, dtype=np.float32)
+        v = np.ascontiguousarray(values, dtype=np.float32)
+        self._held += v.nbytes
+        return v
 
     def upload_embedding(self, type_name: str, rows: np.ndarray, dim: int) -> Embedding:
         return Embedding(type_name, rows, dim)
@@ -189,23 +220,9 @@ class CpuBackend:
 
     def rope(self, x, n_heads, positions, spec: RopeSpec):
         x = np.ascontiguousarray(x)
-        cos, sin = self._rope_table(positions, spec)
+        cos, sin = self._rope.lookup(positions, spec)
         ops.rope(x.reshape(x.shape[0], n_heads, -1), cos, sin, spec.neox)
         return x
-
-    def _rope_table(self, positions, spec: RopeSpec):
-        # One table per spec covering positions seen so far; looked up by index after.
-        key = (spec.n_rot, spec.theta, spec.pos_scale, id(spec.freq_factors))
-        pos = np.asarray(positions, np.int64)
-        hi = int(pos.max()) + 1
-        have = self._tables.get(key)
-        if have is None or have[0].shape[0] < hi:
-            n = max(hi, 2 * (have[0].shape[0] if have else 256))
-            cos, sin = ops.rope_tables(np.arange(n), spec.n_rot, spec.theta,
-                                       spec.freq_factors, spec.pos_scale)
-            have = (cos, sin)
-            self._tables[key] = have
-        return have[0][pos], have[1][pos]
 
     # ---- KV pages --------------------------------------------------------------------
 
@@ -222,7 +239,9 @@ class CpuBackend:
         kb, vb = _block_nbytes(layout)
         K = kvpages.PAGE_CLASSES[layout.k_type](_lazy_bytes(n_blocks * kb + kvpages.PAD))
         V = kvpages.PAGE_CLASSES[layout.v_type](_lazy_bytes(n_blocks * vb + kvpages.PAD))
-        return KVPages(layout, K, V, kb, vb)
+        pages = KVPages(layout, K, V, kb, vb)
+        self._held += pages.nbytes
+        return pages
 
     def copy_kv_block(self, pages: KVPages, src: int, dst: int) -> None:
         for arr, nb in ((pages.K.a, pages.k_block), (pages.V.a, pages.v_block)):
@@ -255,7 +274,7 @@ class CpuBackend:
         # up once per (positions, spec) rather than once per layer.
         memo = self._rope_memo
         if memo is None or memo[0] is not positions or memo[1] is not spec.rope:
-            cos, sin = self._rope_table(positions, spec.rope)
+            cos, sin = self._rope.lookup(positions, spec.rope)
             memo = self._rope_memo = (positions, spec.rope, cos, sin,
                                       np.asarray(positions, np.int64))
         x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel

@@ -48,6 +48,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block, a multiple of 16 (default 16)")
     p.add_argument("--kv-pool-mb", type=float, default=0,
                    help="KV cache limit in MB (default: two contexts, as memory allows)")
+    _add_split_options(p)
+
+
+def _add_split_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "torch", "mlx"),
+                   help="GPU backend: torch (CUDA, or its CPU build), mlx (Metal, or its CPU "
+                        "build) or cpu (none); default: CUDA torch if present, else MLX on "
+                        "Apple Silicon, else cpu")
+    p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto|all",
+                   help="layers on the GPU backend, the last ones, with the output head "
+                        "(default auto: as many as fit its free memory)")
 
 
 def _model_settings(args) -> dict:
@@ -62,7 +73,13 @@ def _model_settings(args) -> dict:
                 chat_template=args.chat_template, models_dir=args.models_dir,
                 weight_cache=not args.no_weight_cache, ctk=args.cache_type_k,
                 ctv=args.cache_type_v, kv_block_size=args.kv_block_size,
-                kv_pool_mb=args.kv_pool_mb)
+                kv_pool_mb=args.kv_pool_mb, backend=args.backend,
+                gpu_layers=_gpu_layers(args.gpu_layers))
+
+
+def _gpu_layers(text: str) -> int | str:
+    from .placement import parse_gpu_layers
+    return parse_gpu_layers(text)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -134,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("model")
     insp.add_argument("--models-dir", default=None)
     insp.add_argument("--all", action="store_true", help="print every metadata key in full")
+    insp.add_argument("--plan", action="store_true",
+                      help="print the memory plan per device (weights, KV, scratch) instead")
+    insp.add_argument("-c", "--ctx-size", type=int, default=0,
+                      help="context size the plan is for (default: min(4096, the model's))")
+    kv = "KV cache type the plan is for (default f16)"
+    insp.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help=kv)
+    insp.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help=kv)
+    insp.add_argument("-b", "--batch-size", type=_positive_int, default=256,
+                      help="prompt tokens per forward pass (default 256)")
+    _add_split_options(insp)
     return ap
 
 
@@ -234,7 +261,8 @@ def cmd_run(args) -> int:
     if args.verbose:
         s, kv = stream.stats, model.kv_stats()
         mb = 1 << 20
-        print(f"load: {load_s:.2f} s ({model.path.name}, {model.backend.name}, ctx {model.ctx})\n"
+        print(model.plan.format(), file=sys.stderr)
+        print(f"load: {load_s:.2f} s ({model.path.name}, {model.plan.summary()}, ctx {model.ctx})\n"
               f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s "
               f"({s.prompt_tps:.1f} tok/s), {s.cached_tokens} cached\n"
               f"generated: {s.generated_tokens} tokens in {s.generate_seconds:.3f} s "
@@ -362,6 +390,18 @@ def cmd_inspect(args) -> int:
     from .fetch import resolve_model_path
     from .inspect import format_description
     path = resolve_model_path(args.model, args.models_dir, download=False)
+    if args.plan:
+        from .engine import LoadSettings, plan_model
+        from .gguf import GGUFFile
+        if args.ctx_size < 0:
+            raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+        settings = LoadSettings(ctx_size=args.ctx_size, batch_size=args.batch_size,
+                                ctk=args.cache_type_k, ctv=args.cache_type_v,
+                                backend=args.backend, gpu_layers=_gpu_layers(args.gpu_layers),
+                                models_dir=args.models_dir)
+        with GGUFFile(path) as f:
+            print(f"{path.name}:\n{plan_model(f, settings)[0].format()}")
+        return 0
     print(format_description(path, _describe(path), show_all=args.all))
     return 0
 

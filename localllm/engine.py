@@ -26,7 +26,8 @@ from .chat_template import ChatTemplate
 from .generate import Chunk, Decoder, GenerationStats, run_generation
 from .gguf import GGUFFile
 from .models import build, module_for
-from .models.common import Placement, WeightLoader, check_blocks
+from .models.common import WeightLoader, check_blocks
+from .placement import PlanRequest, make_gpu_backend, parse_gpu_layers, plan_memory, resolve_backend
 from .sampling import SamplingParams
 from .sequence import EngineError, KVSpace, KVStats, Runner, Sequence
 from .tokenizer import Tokenizer
@@ -34,8 +35,6 @@ from .tokenizer import Tokenizer
 DEFAULT_CTX = 4096
 KV_TYPES = ("f16", "bf16", "q8_0", "q4_0", "fp8")
 # Default pool: room for this many full contexts (one request's, plus cached prefixes).
-_POOL_CONTEXTS = 2
-_MEMORY_MARGIN = 256 << 20
 
 __all__ = ["EngineError", "Generation", "KVStats", "LoadSettings", "Model", "Sequence",
            "load"]
@@ -48,7 +47,8 @@ class LoadSettings:
     threads: int = 0             # 0: the number of physical cores
     batch_size: int = 256        # prompt tokens per forward pass
     chat_template: str | None = None   # builtin name or file; None: the file's own
-    backend: str = "cpu"
+    backend: str = "auto"              # GPU backend: auto, cpu (none), torch or mlx
+    gpu_layers: int | str = "auto"     # layers on the GPU backend (the last ones): N, auto, all
     models_dir: str | None = None      # model cache directory override
     download: bool = True              # fetch known model names when not cached
     weight_cache: bool = True          # keep repacked weights on disk for faster loads
@@ -74,75 +74,43 @@ def physical_cores() -> int:
     return n or os.cpu_count() or 1
 
 
-def _make_backend(settings: LoadSettings):
-    if settings.backend != "cpu":
-        raise EngineError(f"unknown backend {settings.backend!r} (available: cpu)")
+def _make_cpu_backend(settings: LoadSettings):
     from .backends.cpu import CpuBackend
     cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
     return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
 
 
-def kv_bytes_per_token(args, backend, ctk: str = "f16", ctv: str = "f16",
-                       block_size: int = 16) -> int:
-    """KV bytes one token takes in every layer, for the given KV types."""
-    from .backends.base import KVLayout
-    layout = KVLayout(args.n_kv_heads, args.head_dim, block_size, ctk, ctv)
-    return args.n_layers * backend.kv_block_nbytes(layout) // block_size
+def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:
+    """What the memory ledger is planned for, from load settings."""
+    return PlanRequest(ctx, settings.ctk, settings.ctv, settings.kv_block_size,
+                       max(1, settings.batch_size), settings.kv_pool_mb, settings.gpu_layers)
 
 
-def memory_needed(file: GGUFFile, args, ctx: int, backend=None, ctk: str = "f16",
-                  ctv: str = "f16") -> tuple[int, int]:
-    """Bytes a model will hold in memory: (weights, KV cache of ``ctx`` tokens).
+def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None):
+    """The memory ledger of a model file under these settings, without loading it.
 
-    Weights are copied into the kernels' layout, except a token embedding table that has a
-    separate output matrix (its rows are read from the mapped file as tokens need them).
-    The KV cache is counted full, as a long conversation will fill it.
+    Returns:
+        (MemoryPlan, the architecture's ModelArgs, the CPU backend, the GPU backend or None).
+    Raises:
+        EngineError: bad settings, or a model that does not fit (naming the numbers).
     """
-    weights = sum(t.nbytes for t in file.tensors.values())
-    if "output.weight" in file.tensors and "token_embd.weight" in file.tensors:
-        weights -= file.tensors["token_embd.weight"].nbytes
-    if backend is None:
-        from .backends.cpu import CpuBackend as backend
-    return weights, ctx * kv_bytes_per_token(args, backend, ctk, ctv)
-
-
-def _available_memory() -> int:
-    import psutil
-    return psutil.virtual_memory().available
-
-
-def check_memory(file: GGUFFile, args, ctx: int, available: int | None = None,
-                 backend=None, ctk: str = "f16", ctv: str = "f16") -> None:
-    """Raises EngineError, before any weight is loaded, when the weights and a full KV cache
-    of ``ctx`` tokens would not fit in the memory available now."""
-    weights, kv = memory_needed(file, args, ctx, backend, ctk, ctv)
-    if available is None:
-        available = _available_memory()
-    if weights + kv > available:
-        gb = 1 << 30
-        hint = " (try a smaller --ctx-size)" if kv > available // 4 else ""
-        raise EngineError(
-            f"not enough memory: the model needs {weights / gb:.2f} GiB for weights and "
-            f"{kv / gb:.2f} GiB for a {ctx}-token KV cache, {available / gb:.2f} GiB is "
-            f"available{hint}")
-
-
-def pool_tokens(settings: LoadSettings, ctx: int, per_token: int, weights: int,
-                available: int | None = None) -> int:
-    """Tokens the KV pool may hold: --kv-pool-mb's worth (at least one context), else two
-    contexts where memory allows, one at the least."""
-    if settings.kv_pool_mb:
-        n = int(settings.kv_pool_mb * (1 << 20)) // per_token
-        if n < ctx:
-            raise EngineError(
-                f"--kv-pool-mb {settings.kv_pool_mb:g} holds {n} tokens of KV, less than the "
-                f"{ctx}-token context ({ctx * per_token / (1 << 20):.1f} MB); raise it or "
-                "lower --ctx-size")
-        return n
-    if available is None:
-        available = _available_memory()
-    spare = (available - weights - _MEMORY_MARGIN) // per_token
-    return max(ctx, min(_POOL_CONTEXTS * ctx, spare))
+    meta = file.metadata
+    module = module_for(meta)  # an unsupported architecture fails before any other work
+    args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
+    check_blocks(file.tensors, args.arch, args.n_layers)  # before sizing the KV cache
+    ctx = settings.ctx_size or min(DEFAULT_CTX, args.context_length)
+    if ctx <= 0:
+        raise EngineError(f"context size must be positive, got {ctx}")
+    _check_kv_types(settings.ctk, settings.ctv)
+    try:
+        parse_gpu_layers(settings.gpu_layers)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    cpu = _make_cpu_backend(settings)
+    gpu = make_gpu_backend(resolve_backend(settings.backend),
+                           settings.threads or physical_cores())
+    plan = plan_memory(file.tensors, args, cpu, gpu, plan_request(settings, ctx), free)
+    return plan, args, cpu, gpu
 
 
 def file_identity(path: Path) -> bytes:
@@ -198,28 +166,21 @@ class Model:
         self.file = GGUFFile(self.path)
         meta = self.file.metadata
         self.metadata = meta
-        module = module_for(meta)  # an unsupported architecture fails before any other work
-        args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
-        check_blocks(self.file.tensors, args.arch, args.n_layers)  # before sizing the KV cache
-        ctx = s.ctx_size or min(DEFAULT_CTX, args.context_length)
-        if ctx <= 0:
-            raise EngineError(f"context size must be positive, got {ctx}")
-        _check_kv_types(s.ctk, s.ctv)  # before any work
-        self.backend = _make_backend(s)
-        per_token = kv_bytes_per_token(args, self.backend, s.ctk, s.ctv, s.kv_block_size)
-        check_memory(self.file, args, ctx, backend=self.backend, ctk=s.ctk, ctv=s.ctv)
-        weights, _ = memory_needed(self.file, args, ctx, self.backend, s.ctk, s.ctv)
-        n_pool = pool_tokens(s, ctx, per_token, weights)
-        self.backend.begin_model(self.path)  # may read stored weights while the rest builds
+        self.plan, args, self.backend, self.gpu_backend = plan_model(self.file, s)
+        ctx = self.plan.ctx
+        placement = self.plan.placement()
+        self.backends = placement.backends()
+        for be in self.backends:
+            be.begin_model(self.path)  # may read stored weights while the rest builds
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.resolve(meta, s.chat_template)
-        placement = Placement.single(self.backend, args.n_layers)
         self.net = build(meta, WeightLoader(self.file, placement), args)
-        self.backend.end_model()
+        for be in self.backends:
+            be.end_model()
         self.args = self.net.args
         self.vocab_size = self.args.vocab_size
         self.ctx = ctx
-        self._pool_tokens = n_pool
+        self._pool_tokens = self.plan.pool_tokens
         self._identity = file_identity(self.path)
         self.kv, self._runner = self._new_cache(s.ctk, s.ctv)
         self.last_stats = GenerationStats()

@@ -205,19 +205,21 @@ def test_repacked_weight_store_round_trip(smollm_path, tmp_path):
 
 
 def test_model_too_big_for_memory_is_refused_before_loading(smollm_path):
-    from localllm.engine import check_memory, memory_needed
+    from localllm.engine import LoadSettings, plan_model
     from localllm.gguf import GGUFFile
-    from localllm.models import llama
 
+    settings = LoadSettings(ctx_size=4096, backend="cpu")
     with GGUFFile(smollm_path) as f:
-        args = llama.ModelArgs.from_gguf(f.metadata)
-        weights, kv = memory_needed(f, args, 4096)
-        # tied output: every tensor is packed; f16 K and V for 30 layers x 3 heads x 64
-        assert weights == sum(t.nbytes for t in f.tensors.values())
-        assert kv == 2 * 2 * 30 * 3 * 64 * 4096
-        check_memory(f, args, 4096, available=weights + kv)
+        plan, *_ = plan_model(f, settings)
+        cpu = plan.devices[0]
+        # tied output: every tensor is packed (Q4_1 and Q8_0 keep their size); f16 K and V
+        # for 30 layers x 3 heads x 64
+        assert cpu.weight_bytes == sum(t.nbytes for t in f.tensors.values())
+        assert 4096 * cpu.kv_per_token == 2 * 2 * 30 * 3 * 64 * 4096
+        need = cpu.weight_bytes + 4096 * cpu.kv_per_token + cpu.scratch_bytes
+        assert plan_model(f, settings, free={"host": need})[0].pool_tokens == 4096
         with pytest.raises(EngineError, match="not enough memory"):
-            check_memory(f, args, 4096, available=weights + kv - 1)
+            plan_model(f, settings, free={"host": need - 1})
     # a 100M-token KV cache (2 TiB) is refused with the sizes, not an allocation failure
     with pytest.raises(EngineError, match=r"not enough memory.*100000000-token KV cache"):
         localllm.load(smollm_path, ctx_size=100_000_000)

@@ -92,7 +92,7 @@ def serve(settings: ServerSettings) -> int:
     def load_model():
         t0 = time.perf_counter()
         m = load(path, **settings.load)
-        print(f"model ready: {settings.model_id} (ctx {m.ctx}, loaded in "
+        print(f"model ready: {settings.model_id} (ctx {m.ctx}, {m.plan.summary()}, loaded in "
               f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         return m
 
