@@ -7,7 +7,8 @@ import importlib
 from .common import ModelError
 
 # architecture -> module name in this package
-ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3"}
+ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "qwen2": "qwen2", "qwen3": "qwen3",
+                 "phi3": "phi3"}
 ALIASES = {"mistral": "llama"}
 
 
