@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -226,16 +226,19 @@ def _value_type(v) -> tuple[GGUFValueType, GGUFValueType | None]:
     return GGUFValueType.ARRAY, GGUFValueType.STRING
 
 
-def write(name: str, path: str | Path, tokenizer_meta: dict) -> Path:
+def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
+          **changes) -> Path:
     """Write the synthetic model ``name`` (a key of SPECS).
 
     Args:
         name: which model; path: the .gguf file to write.
         tokenizer_meta: metadata of a real model whose ``tokenizer.*`` keys are copied.
+        drop: tensor names to leave out; changes: Spec fields to change (both for files
+            a model must refuse).
     Returns:
         The path written.
     """
-    s = SPECS[name]
+    s = replace(SPECS[name], **changes)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
     w = GGUFWriter(str(path), s.arch)
@@ -261,12 +264,14 @@ def write(name: str, path: str | Path, tokenizer_meta: dict) -> Path:
             w.add_key_value(k, list(v) if isinstance(v, np.ndarray) else v, vt, sub)
     for tname, type_name, N, K, std in _matrices(s):
         raw = _scaled(type_name, N or vocab, K, std, rng)
-        w.add_tensor(tname, raw, raw_dtype=GGMLQuantizationType[type_name])
+        if tname not in drop:
+            w.add_tensor(tname, raw, raw_dtype=GGMLQuantizationType[type_name])
         if tname == "token_embd.weight":
             embd = dequantize(raw.reshape(-1), type_name, (vocab, s.dim))
     vectors = _vectors(s, rng)
     for tname, values in vectors:
-        w.add_tensor(tname, values)
+        if tname not in drop:
+            w.add_tensor(tname, values)
     head = _head(s, embd, dict(vectors)["output_norm.weight"], rng)
     w.add_tensor("output.weight", _encode_float(head, s.types["output"]),
                  raw_dtype=GGMLQuantizationType[s.types["output"]])

@@ -90,3 +90,19 @@ def test_llm_inspect_and_run(synthetic_files, name):
             "--ignore-eos", "-v")
     assert r.returncode == 0, r.stderr
     assert re.search(r"generated: 8 tokens", r.stderr), r.stderr
+
+
+@pytest.mark.parametrize("case, drop, changes, needle", [
+    ("one LongRoPE factor set", ("rope_factors_short.weight",), {},
+     "only one of rope_factors_long and rope_factors_short"),
+    ("width not heads times head size", (), {"head_dim": 32},
+     "'phi3.attention.head_count' (4) times the head size (32) is not "
+     "'phi3.embedding_length' (256)"),
+])
+def test_phi3_files_it_cannot_run_are_one_line_errors(tmp_path, metas, case, drop, changes,
+                                                      needle):
+    from localllm.models import ModelError
+    path = synthetic.write("phi3", tmp_path / "bad.gguf", metas["smollm"], drop, **changes)
+    with pytest.raises(ModelError) as err:
+        localllm.load(path, ctx_size=64, threads=1, weight_cache=False)
+    assert needle in str(err.value) and "\n" not in str(err.value)
