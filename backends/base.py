@@ -18,6 +18,7 @@ class RopeSpec:
     neox: bool                 # pair i with i + n_rot/2 (True) or 2i with 2i+1 (False)
     pos_scale: float = 1.0     # linear position scaling (1 / factor)
     freq_factors: Any = None   # optional per-frequency divisors (rope_freqs tensor), numpy
+    mscale: float = 1.0        # cos and sin multiplied by this ({arch}.rope.scaling.attn_factor)
 
 
 @dataclass(frozen=True)

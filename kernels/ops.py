@@ -115,13 +115,13 @@ def rms_norm_heads(x, w, eps):
 # ----------------------------------------------------------------------------- RoPE
 
 def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=None,
-                pos_scale: float = 1.0):
+                pos_scale: float = 1.0, mscale: float = 1.0):
     """cos/sin tables for rotary embeddings, with angles formed as llama.cpp forms them.
 
     The angle of pair i at position p is built in float32 the way llama.cpp's CPU backend
     builds it: start from p, multiply by ``theta ** (-2 / n_rot)`` once per pair, divide by
     the pair's frequency factor, scale by ``pos_scale``; cos and sin of that float32 angle
-    are then rounded once. Exact angles would differ from llama.cpp's by up to ~6e-5 rad
+    are then rounded once (and multiplied by ``mscale`` in float32). Exact angles would differ from llama.cpp's by up to ~6e-5 rad
     below 512 tokens (~6e-4 at 4k), enough to shift quantized activations downstream.
 
     Args:
@@ -130,6 +130,8 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
         theta: frequency base.
         freq_factors: optional (n_rot // 2,) divisors of each frequency (rope_freqs tensor).
         pos_scale: linear position scaling (1 / scaling factor).
+        mscale: a factor on cos and sin (LongRoPE's attention factor): it scales the
+            rotated dims only, as llama.cpp applies it.
     Returns:
         (cos, sin): float32 (n, n_rot // 2) each.
     """
@@ -144,7 +146,11 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
         ang[:, i] = scale * (t / ff[i])
         t = t * step
     a = ang.astype(np.float64)
-    return np.cos(a).astype(f32), np.sin(a).astype(f32)
+    cos, sin = np.cos(a).astype(f32), np.sin(a).astype(f32)
+    if mscale != 1.0:
+        cos *= f32(mscale)
+        sin *= f32(mscale)
+    return cos, sin
 
 
 @njit(cache=True, inline="always")

@@ -174,7 +174,7 @@ class Model:
             be.begin_model(self.path)  # may read stored weights while the rest builds
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.resolve(meta, s.chat_template)
-        self.net = build(meta, WeightLoader(self.file, placement), args)
+        self.net = build(meta, WeightLoader(self.file, placement), args, ctx)
         for be in self.backends:
             be.end_model()
         self.args = self.net.args

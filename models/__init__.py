@@ -7,11 +7,13 @@ import importlib
 from .common import ModelError
 
 # architecture -> module name in this package
-ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3"}
+ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "qwen2": "qwen2", "qwen3": "qwen3",
+                 "phi3": "phi3"}
 ALIASES = {"mistral": "llama"}
 
 
 def supported() -> list[str]:
+    """The architecture names we run, aliases included, sorted."""
     return sorted(set(ARCHITECTURES) | set(ALIASES))
 
 
@@ -30,13 +32,14 @@ def module_for(meta: dict):
     return importlib.import_module(f"{__name__}.{module_name}")
 
 
-def build(meta: dict, loader, args=None):
+def build(meta: dict, loader, args=None, ctx: int = 0):
     """Construct the model a GGUF file describes.
 
     Args:
         meta: the file's metadata.
         loader: a WeightLoader over the file and the target backend.
         args: the architecture's ModelArgs, when the caller has already read them.
+        ctx: the context size it will run at (0: the file's training context).
     Returns:
         The model object (see models/llama.py for the interface).
     Raises:
@@ -45,7 +48,7 @@ def build(meta: dict, loader, args=None):
     module = module_for(meta)
     if args is None:
         args = module.ModelArgs.from_gguf(meta, meta["general.architecture"])
-    return module.Model(args, loader)
+    return module.Model(args, loader, ctx)
 
 
 __all__ = ["ARCHITECTURES", "ALIASES", "ModelError", "build", "module_for", "supported"]

@@ -136,6 +136,32 @@ class WeightLoader:
             done = lambda a, b: self.file.release(name, a, b)  # noqa: E731
         return be.upload_matrix(name, info.type_name, self.file.raw(name), N, K, done)
 
+    def matrix_split(self, name: str, K: int, rows: list[int]) -> list:
+        """A fused weight (sum(rows) out, K in) uploaded as one matrix per block of rows
+        (Phi-3's attn_qkv and gate+up ffn_up): each output row is its own dot product, so
+        the parts compute exactly what the whole would.
+
+        Args:
+            name: the tensor; K: its input width; rows: the output rows of each part.
+        Returns:
+            The uploaded parts, in order.
+        """
+        self._info(name, (sum(rows), K))
+        be = self.backend_for(name)
+        table = self.file.blocks(name)
+        row_bytes = table.shape[1]
+        info = self.file.tensors[name]
+        out, start = [], 0
+        for i, n in enumerate(rows):
+            done = None
+            if be.copies_weights:
+                base = start * row_bytes
+                done = lambda a, b, base=base: self.file.release(name, base + a, base + b)  # noqa: E731
+            out.append(be.upload_matrix(f"{name}#{i}", info.type_name,
+                                        table[start:start + n].reshape(-1), n, K, done))
+            start += n
+        return out
+
     def vector(self, name: str, n: int):
         """A float 1-D tensor (norm weight or bias) as float32, on its backend."""
         return self.backend_for(name).upload_vector(self.host_vector(name, n))

@@ -56,11 +56,11 @@ class Model(llama.Model):
     rope_neox = True
     activation = "gelu_tanh"
 
-    def __init__(self, args: ModelArgs, w: WeightLoader):
+    def __init__(self, args: ModelArgs, w: WeightLoader, ctx: int = 0):
         a = args
-        self.rope_local = RopeSpec(a.n_rot, SWA_ROPE_THETA, True, 1.0)
+        self.rope_local = RopeSpec(a.n_rot, SWA_ROPE_THETA, True, 1.0, None, a.rope_attn_factor)
         self.embed_scale = math.sqrt(a.dim)
-        super().__init__(args, w)
+        super().__init__(args, w, ctx)
 
     def load_block(self, w: WeightLoader, i: int):
         a, p = self.args, f"blk.{i}."

@@ -1,5 +1,9 @@
 """The llama family (Llama 2/3, Mistral, SmolLM, TinyLlama): pre-norm decoder, GQA, RoPE,
-SwiGLU feed-forward, tied or separate output head."""
+SwiGLU feed-forward, tied or separate output head.
+
+Llama 3.1/3.2's "llama3" rope scaling reaches GGUF files as the ``rope_freqs`` tensor (the
+converter turns the scaling into per-frequency divisors), which the RoPE tables apply.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,10 @@ class ModelArgs:
     n_rot: int
     rope_scale: float
     context_length: int
+    rope_attn_factor: float = 1.0   # multiplies rotated q and k (LongRoPE's attention factor)
+
+    # rope scaling types ({arch}.rope.scaling.type) this architecture runs
+    rope_scalings = ("none", "linear")
 
     @classmethod
     def from_gguf(cls, meta: dict, arch: str = "llama") -> "ModelArgs":
@@ -57,8 +65,9 @@ class ModelArgs:
                              f"'tokenizer.ggml.tokens' has {len(tokens)} entries")
         scale_type = meta_get(meta, p + "rope.scaling.type", "none")
         factor = meta_float(meta, p + "rope.scaling.factor", 1.0)
-        if scale_type not in ("none", "linear") and factor != 1.0:
-            raise ModelError(f"rope scaling {scale_type!r} is not supported (only linear)")
+        if scale_type not in cls.rope_scalings and factor != 1.0:
+            raise ModelError(f"metadata '{p}rope.scaling.type' is {scale_type!r}, not supported "
+                             f"for {arch} (supported: {', '.join(cls.rope_scalings)})")
         args = cls(
             arch=arch, dim=dim, n_layers=meta_int(meta, p + "block_count"), n_heads=n_heads,
             n_kv_heads=n_kv, head_dim=head_dim,
@@ -68,6 +77,7 @@ class ModelArgs:
             n_rot=meta_int(meta, p + "rope.dimension_count", head_dim),
             rope_scale=1.0 / factor if factor > 0 else 1.0,
             context_length=meta_int(meta, p + "context_length", 2048),
+            rope_attn_factor=meta_float(meta, p + "rope.scaling.attn_factor", 1.0),
         )
         args.check()
         return args
@@ -87,30 +97,46 @@ class ModelArgs:
             raise ModelError(f"metadata '{self.arch}.attention.head_count' ({self.n_heads}) is "
                              f"not a multiple of '{self.arch}.attention.head_count_kv' "
                              f"({self.n_kv_heads})")
+        if not self.rope_attn_factor > 0:
+            raise ModelError(f"metadata '{self.arch}.rope.scaling.attn_factor' must be "
+                             f"positive, got {self.rope_attn_factor}")
         if not 0 <= self.n_rot <= self.head_dim or self.n_rot % 2:
             raise ModelError(f"metadata '{self.arch}.rope.dimension_count' ({self.n_rot}) must be "
                              f"even and at most the head size {self.head_dim}")
 
 
-def load_block(w: WeightLoader, i: int, a: ModelArgs) -> BlockWeights:
-    """Layer i's tensors (llama naming; biases are optional, as in Qwen2-style files)."""
+def load_qkv(w: WeightLoader, i: int, a: ModelArgs) -> dict:
+    """Layer i's query, key and value projections and their biases, as BlockWeights fields:
+    separate ``attn_q/k/v`` tensors, or one fused ``attn_qkv`` (Phi-3) split by rows.
+    Biases are optional (Qwen2 has them) but all or none."""
     p = f"blk.{i}."
     qd, kvd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    if w.has(p + "attn_qkv.weight"):
+        wq, wk, wv = w.matrix_split(p + "attn_qkv.weight", a.dim, [qd, kvd, kvd])
+        if w.has(p + "attn_qkv.bias"):
+            raise ModelError(f"layer {i}: a fused q/k/v bias (attn_qkv.bias) is not supported")
+    else:
+        wq, wk, wv = (w.matrix(p + f"attn_{x}.weight", n, a.dim)
+                      for x, n in (("q", qd), ("k", kvd), ("v", kvd)))
     bq, bk, bv = (w.optional_vector(p + f"attn_{x}.bias", n)
                   for x, n in (("q", qd), ("k", kvd), ("v", kvd)))
     if (bq is None) != (bk is None) or (bq is None) != (bv is None):
         raise ModelError(f"layer {i}: q/k/v biases must be all present or all absent")
+    return {"wq": wq, "wk": wk, "wv": wv, "bq": bq, "bk": bk, "bv": bv}
+
+
+def load_block(w: WeightLoader, i: int, a: ModelArgs) -> BlockWeights:
+    """Layer i's tensors (llama naming)."""
+    p = f"blk.{i}."
+    qd = a.n_heads * a.head_dim
     return BlockWeights(
         attn_norm=w.vector(p + "attn_norm.weight", a.dim),
-        wq=w.matrix(p + "attn_q.weight", qd, a.dim),
-        wk=w.matrix(p + "attn_k.weight", kvd, a.dim),
-        wv=w.matrix(p + "attn_v.weight", kvd, a.dim),
+        **load_qkv(w, i, a),
         wo=w.matrix(p + "attn_output.weight", a.dim, qd),
         ffn_norm=w.vector(p + "ffn_norm.weight", a.dim),
         w_gate=w.matrix(p + "ffn_gate.weight", a.hidden_dim, a.dim),
         w_up=w.matrix(p + "ffn_up.weight", a.hidden_dim, a.dim),
-        w_down=w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim),
-        bq=bq, bk=bk, bv=bv)
+        w_down=w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim))
 
 
 class Model(Net):
@@ -119,15 +145,14 @@ class Model(Net):
     rope_neox = False   # GGUF llama weights are permuted for adjacent-pair rotation
     activation = "silu"
 
-    def __init__(self, args: ModelArgs, w: WeightLoader):
+    def __init__(self, args: ModelArgs, w: WeightLoader, ctx: int = 0):
+        """Args: args: the file's ModelArgs; w: its tensors; ctx: the context size the model
+        will run at (Phi-3's LongRoPE picks its factors by it; 0: the training context)."""
         self.args = args
         self.be = w.placement.embed
         self.head_be = w.placement.head
         a = args
-        freq = None
-        if w.has("rope_freqs.weight"):
-            freq = w.host_vector("rope_freqs.weight", a.n_rot // 2)
-        self.rope = RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq)
+        self.rope = self.load_rope(w, ctx or a.context_length)
         self.tok_embd = w.embedding("token_embd.weight", a.vocab_size, a.dim)
         self.layers = [PlacedLayer(i, w.placement.layers[i], self.load_block(w, i),
                                    self.balanced(w, i, self.block_spec(i)))
@@ -135,6 +160,15 @@ class Model(Net):
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
         self.output = w.matrix(name, a.vocab_size, a.dim, head=True)
+
+    def load_rope(self, w: WeightLoader, ctx: int) -> RopeSpec:
+        """The global layers' RoPE, with the ``rope_freqs`` divisors when the file has them."""
+        a = self.args
+        freq = None
+        if w.has("rope_freqs.weight"):
+            freq = w.host_vector("rope_freqs.weight", a.n_rot // 2)
+        return RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq,
+                        a.rope_attn_factor)
 
     def load_block(self, w: WeightLoader, i: int) -> BlockWeights:
         return load_block(w, i, self.args)

@@ -118,9 +118,10 @@ def coarse_kl(top_ids: np.ndarray, top_lp: np.ndarray, other_lp: np.ndarray) -> 
     return (p * (top_lp - np.log(q))).sum(1) + rest
 
 
-def _all_logits(path: str, ids: list[int], n_batch: int) -> np.ndarray:
+def all_logits(path: str, ids: list[int], n_batch: int, n_ctx: int = 1024) -> np.ndarray:
+    """llama.cpp's logits at every position of ``ids``, fed in batches of ``n_batch``."""
     import llama_cpp
-    llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=THREADS, n_batch=n_batch, n_ubatch=n_batch,
+    llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=THREADS, n_batch=n_batch, n_ubatch=n_batch,
                           logits_all=True, verbose=False, seed=0)
     llm.eval(ids)
     out = np.array(llm.scores[:len(ids)], dtype=np.float32)
@@ -142,15 +143,15 @@ def logits_doc(path: str) -> dict:
                 break
         greedy.append({"prompt": prompt, "prompt_ids": pids, "continuation": out})
     llm.close()
-    lp = log_softmax(_all_logits(path, ids, 512))
+    lp = log_softmax(all_logits(path, ids, 512))
     top = np.argsort(-lp, axis=1, kind="stable")[:, :TOPK]
     top_lp = np.take_along_axis(lp, top, 1)
-    seq = log_softmax(_all_logits(path, ids, 1))  # llama.cpp one token at a time
+    seq = log_softmax(all_logits(path, ids, 1))  # llama.cpp one token at a time
     # llama.cpp's greedy text was made token by token; score it teacher-forced in one batch
     hits = total = 0
     for g in greedy:
         n_prompt, cont = len(g["prompt_ids"]), np.array(g["continuation"])
-        z = _all_logits(path, g["prompt_ids"] + g["continuation"], 512)
+        z = all_logits(path, g["prompt_ids"] + g["continuation"], 512)
         hits += int((z[n_prompt - 1:n_prompt - 1 + len(cont)].argmax(1) == cont).sum())
         total += len(cont)
     return {

@@ -127,6 +127,15 @@ def test_bad_input_is_one_clear_line(bad_files, case, args, needle):
     assert "Traceback" not in r.stderr
 
 
+def test_unsupported_architecture_names_the_supported_ones(bad_files):
+    from localllm.models import supported
+    r = llm("run", str(bad_files["arch"]), "-p", "hi")
+    assert r.returncode != 0
+    assert "'mamba9'" in r.stderr
+    for arch in supported():
+        assert arch in r.stderr
+
+
 def test_list_and_inspect(smollm_path, gemma_path):
     r = llm("list")
     assert r.returncode == 0
