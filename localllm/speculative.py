@@ -89,9 +89,10 @@ def residual(p: Dist, x: int, q: Dist | None) -> Dist:
 
 class DraftLength:
     """The adaptive draft length: doubles while whole drafts are accepted, falls to one more
-    than what was accepted when a draft is cut short, and after drafts keep failing (nothing
-    proposed or nothing accepted, twice running) pauses drafting for a stretch of steps that
-    doubles with each further failure, up to 64."""
+    than what was accepted when a draft is cut short, and after drafts keep failing (none of
+    their tokens accepted, twice running) pauses drafting for a stretch of steps that doubles
+    with each further failure, up to 64. A step with nothing to propose costs no model pass
+    and changes nothing."""
 
     def __init__(self, k_max: int, k_start: int = 4):
         self.k_max = max(1, min(k_max, MAX_DRAFT))
@@ -108,9 +109,11 @@ class DraftLength:
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record a step's outcome: ``drafted`` proposed and checked (0: no proposal)."""
-        if drafted and accepted == drafted:
+        if not drafted:
+            return
+        if accepted == drafted:
             self.k = min(self.k_max, 2 * self.k)
-        elif drafted:
+        else:
             self.k = max(1, accepted + 1)
         if accepted:
             self._fails = 0

@@ -399,7 +399,8 @@ def test_status_bar_reports_drafts(smollm_path, tmp_path):
             clipboard=tmp_path / "clip.txt", sampling=dict(temperature=0.0, max_tokens=24)))
 
         async def script(pilot):
-            await say(pilot, "Say this twice: red green blue, red green blue, red green blue.")
+            await say(pilot, "Say: The lighthouse keeper climbed the spiral stairs every "
+                             "evening at dusk, carrying a can of oil and a cloth.")
             s = app.last_stats
             assert s.draft_tokens > 0 and 0 <= s.accepted_tokens <= s.draft_tokens
             assert f"{s.tokens_per_pass:.2f} tok/pass" in status(app)

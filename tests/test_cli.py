@@ -69,9 +69,11 @@ def test_verbose_statistics_go_to_stderr(smollm_path):
 
 
 def test_lookup_is_on_by_default_and_changes_nothing(smollm_path):
-    text = "one two three four five six seven eight nine ten"
+    # A passage followed by its own beginning: the model copies it on.
+    text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "
+            "a can of oil and a cloth. He trimmed the wick and polished the great lens.")
     args = ("run", str(smollm_path), "--raw", "-n", "24", "--temp", "0", "-v",
-            "-p", f"{text}\n{text}\n{text}\n{text}\n")
+            "-p", f"{text}\n\n{text[:50]}")
     on, off = llm(*args), llm(*args, "--no-lookup")
     assert on.returncode == off.returncode == 0, on.stderr + off.stderr
     assert on.stdout == off.stdout and on.stdout.strip()
@@ -79,7 +81,7 @@ def test_lookup_is_on_by_default_and_changes_nothing(smollm_path):
     m = re.search(r"speculation \(prompt lookup\): (\d+)/(\d+) drafted tokens accepted "
                   r"\(\d+%\), ([\d.]+) tokens per pass", on.stderr)
     assert m, on.stderr
-    assert int(m.group(1)) > 10 and float(m.group(3)) > 1.5
+    assert int(m.group(1)) > 5 and float(m.group(3)) > 1.3
 
 
 def test_same_seed_same_output_across_processes(smollm_path):

@@ -444,9 +444,10 @@ def test_metrics_exposition(server):
 
 def test_metrics_count_prompt_lookup_drafts(server, client):
     # `llm serve` drafts by prompt lookup unless --no-lookup: a prompt the model copies.
-    text = "one two three four five six seven eight nine ten"
+    text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "
+            "a can of oil and a cloth. He trimmed the wick and polished the great lens.")
     before = server.metrics()
-    r = client.completions.create(model="smollm2-135m", prompt=f"{text}\n{text}\n{text}\n",
+    r = client.completions.create(model="smollm2-135m", prompt=f"{text}\n\n{text[:50]}",
                                   max_tokens=24, temperature=0)
     m = server.metrics()
     drafted = (m["localllm_spec_decode_draft_tokens_total"]
@@ -455,7 +456,7 @@ def test_metrics_count_prompt_lookup_drafts(server, client):
                 - before["localllm_spec_decode_accepted_tokens_total"])
     passes = (m["localllm_spec_decode_target_passes_total"]
               - before["localllm_spec_decode_target_passes_total"])
-    assert 10 < accepted <= drafted
+    assert 5 < accepted <= drafted
     assert passes < r.usage.completion_tokens - 1  # fewer passes than tokens
     assert 0 < m["localllm_spec_decode_acceptance_ratio"] <= 1
     assert m["localllm_spec_decode_tokens_per_pass"] > 1
