@@ -72,8 +72,9 @@ class Batcher:
         budget = self.token_budget
         decoding = [r for r in self.active if r.decoding.prompted]
         prefill = [r for r in self.active if not r.decoding.prompted]
-        for r in decoding:
-            items.append((r.decoding.seq, r.decoding.decoder.pending, False))
+        for r in decoding:  # a drafted run wants every position's logits, to verify
+            d = r.decoding.decoder
+            items.append((r.decoding.seq, d.pending, d.all_logits))
             reqs.append(r)
             budget -= len(r.decoding.decoder.pending)
         for r in prefill:

@@ -82,6 +82,32 @@ def _gpu_layers(text: str) -> int | str:
     return parse_gpu_layers(text)
 
 
+LOOKUP_DEFAULT = 10
+
+
+def _add_speculative_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (the output stays exactly the same)")
+    g.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
+                   help="prompt lookup: draft up to N tokens by matching the last tokens "
+                        f"against the prompt and the text so far (default {LOOKUP_DEFAULT})")
+    g.add_argument("--no-lookup", action="store_true", help="no prompt lookup")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a draft model (GGUF path or known name) with the same vocabulary")
+    g.add_argument("--draft-max", type=int, default=8, metavar="K",
+                   help="most tokens the draft model drafts per step (default 8)")
+
+
+def _speculative_settings(args) -> dict:
+    """LoadSettings fields for speculation (run, chat and serve: lookup on by default)."""
+    from .speculative import MAX_DRAFT
+    if not 1 <= args.lookup <= MAX_DRAFT:
+        raise ValueError(f"--lookup must be in 1..{MAX_DRAFT}, got {args.lookup}")
+    if not 1 <= args.draft_max <= MAX_DRAFT:
+        raise ValueError(f"--draft-max must be in 1..{MAX_DRAFT}, got {args.draft_max}")
+    return dict(lookup=0 if args.no_lookup else args.lookup, draft=args.draft,
+                draft_max=args.draft_max)
+
+
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="tokens to generate (-1: until end of text or context)")
@@ -116,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--context-shift", action="store_true",
                      help="when the chat does not fit, drop its oldest turns (said on stderr)")
     _add_model_options(run)
+    _add_speculative_options(run)
     _add_sampling_options(run)
 
     ppl = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp measures it")
@@ -138,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--resume", nargs="?", const="latest", default=None, metavar="ID",
                        help="reopen a saved conversation (default: the latest)")
     _add_model_options(chat)
+    _add_speculative_options(chat)
     _add_sampling_options(chat)
 
     pull = sub.add_parser("pull", help="download a known model into the cache")
@@ -186,6 +214,7 @@ def _add_serve_parser(sub) -> None:
                      help="largest request body (default 4 MiB)")
     srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_model_options(srv)
+    _add_speculative_options(srv)
     _add_sampling_options(srv)
 
 
@@ -231,7 +260,7 @@ def cmd_run(args) -> int:
     sampling = _sampling(args)
     from .sampling import SamplingParams
     SamplingParams(**sampling).validate()
-    settings = _model_settings(args)
+    settings = _model_settings(args) | _speculative_settings(args)
     t0 = time.perf_counter()
     model = load(args.model, **settings)
     load_s = time.perf_counter() - t0
@@ -268,6 +297,7 @@ def cmd_run(args) -> int:
               f"generated: {s.generated_tokens} tokens in {s.generate_seconds:.3f} s "
               f"({s.generate_tps:.1f} tok/s), finish: {s.finish_reason}\n"
               f"time to first token: {s.time_to_first_token:.3f} s\n"
+              f"{_speculation_line(s, model)}"
               f"seed: {s.seed}\n"
               f"kv cache: {kv.k_type}/{kv.v_type}, {kv.bytes_per_token} bytes per token, "
               f"blocks of {kv.block_size}: {kv.blocks_used} used, {kv.blocks_cached} cached, "
@@ -275,6 +305,19 @@ def cmd_run(args) -> int:
               f"({kv.blocks_total * kv.block_size * kv.bytes_per_token / mb:.0f} MB limit)\n"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
+
+
+def _speculation_line(s, model) -> str:
+    """The -v line on drafts: acceptance, tokens per model pass, measured speedup."""
+    kinds = ["prompt lookup"] if model.settings.lookup else []
+    if model.draft is not None:
+        kinds.append(f"draft {model.draft.path.name}")
+    if not kinds:
+        return "speculation: off\n"
+    speed = f"{s.speedup:.2f}x" if s.speedup else "n/a"
+    return (f"speculation ({', '.join(kinds)}): {s.accepted_tokens}/{s.draft_tokens} drafted "
+            f"tokens accepted ({100 * s.acceptance_rate:.0f}%), {s.tokens_per_pass:.2f} tokens "
+            f"per pass over {s.decode_passes} passes, speedup {speed} over plain decoding\n")
 
 
 def cmd_perplexity(args) -> int:
@@ -327,7 +370,8 @@ def cmd_serve(args) -> int:
     return serve(ServerSettings(
         model=args.model, host=args.host, port=args.port, api_key=key,
         allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
-        max_queue=args.max_queue, max_body=args.max_body, load=_model_settings(args),
+        max_queue=args.max_queue, max_body=args.max_body,
+        load=_model_settings(args) | _speculative_settings(args),
         sampling=sampling, verbose=args.verbose))
 
 
@@ -346,7 +390,8 @@ def cmd_chat(args) -> int:
     SamplingParams(**sampling).validate()
     if args.n_predict < 0:
         sampling["max_tokens"] = -1   # until end of text or a full context
-    return run_chat(args.model, _model_settings(args), sampling, args.system, args.resume)
+    return run_chat(args.model, _model_settings(args) | _speculative_settings(args), sampling,
+                    args.system, args.resume)
 
 
 # ----------------------------------------------------------------------------- pull / list / inspect

@@ -14,7 +14,7 @@ import copy
 import hashlib
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
@@ -30,6 +30,8 @@ from .models.common import WeightLoader, check_blocks
 from .placement import PlanRequest, make_gpu_backend, parse_gpu_layers, plan_memory, resolve_backend
 from .sampling import SamplingParams
 from .sequence import EngineError, KVSpace, KVStats, Runner, Sequence
+from .speculative import (MAX_DRAFT, LookupDrafter, ModelDrafter, Speculator,
+                          check_vocabularies)
 from .tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
@@ -56,6 +58,16 @@ class LoadSettings:
     ctv: str = "f16"                   # ... and of values (see KV_TYPES)
     kv_block_size: int = 16            # tokens per KV block (a multiple of 16)
     kv_pool_mb: float = 0              # KV pool limit; 0: two contexts, as memory allows
+    lookup: int = 0                    # prompt lookup drafts up to this many tokens (0: off)
+    draft: str | None = None           # a draft model (path or known name) to speculate with
+    draft_max: int = 8                 # the draft model drafts up to this many tokens
+
+
+def _check_speculation(s: LoadSettings) -> None:
+    if not 0 <= s.lookup <= MAX_DRAFT:
+        raise EngineError(f"lookup must be in 0..{MAX_DRAFT} drafted tokens, got {s.lookup}")
+    if not 1 <= s.draft_max <= MAX_DRAFT:
+        raise EngineError(f"draft_max must be in 1..{MAX_DRAFT} tokens, got {s.draft_max}")
 
 
 def _check_kv_types(ctk: str, ctv: str) -> None:
@@ -134,6 +146,7 @@ class Decoding:
     prompted: bool = False   # the prompt has run (batching.Batcher's bookkeeping)
 
     def close(self) -> None:
+        self.decoder.close()
         if self.own:
             self.seq.release()
 
@@ -166,6 +179,7 @@ class Model:
         self.file = GGUFFile(self.path)
         meta = self.file.metadata
         self.metadata = meta
+        _check_speculation(s)  # before any work
         self.plan, args, self.backend, self.gpu_backend = plan_model(self.file, s)
         ctx = self.plan.ctx
         placement = self.plan.placement()
@@ -184,7 +198,20 @@ class Model:
         self._identity = file_identity(self.path)
         self.kv, self._runner = self._new_cache(s.ctk, s.ctv)
         self.last_stats = GenerationStats()
+        self.draft = self._load_draft(s) if s.draft else None
         self.load_seconds = time.perf_counter() - t0
+
+    def _load_draft(self, s: LoadSettings) -> "Model":
+        """The draft model, with the same settings and context; its vocabulary must be the
+        target's."""
+        path = fetch.resolve_model_path(s.draft, s.models_dir, download=s.download)
+        draft = Model(path, replace(s, draft=None, lookup=0, ctx_size=self.ctx))
+        try:
+            check_vocabularies(self.tokenizer, draft.tokenizer, self.path.name, path.name)
+        except EngineError:
+            draft.close()
+            raise
+        return draft
 
     # ---- text <-> tokens ------------------------------------------------------------
 
@@ -232,6 +259,15 @@ class Model:
         """An empty per-request state (tokens and block tables) on this model."""
         return Sequence(self._runner)
 
+    def prepare(self, seq: Sequence, ids: Seq[int]) -> int:
+        """Make ``seq`` ready to run ``ids``: it keeps its longest usable common prefix with
+        them, or takes a longer one from the prefix cache.
+
+        Returns:
+            How many of ``ids`` need no processing (at most len(ids) - 1).
+        """
+        return self._runner.reuse(seq, ids)
+
     def kv_stats(self) -> KVStats:
         """Blocks used, cached and free, and the bytes per token of the KV types."""
         return self.kv.stats()
@@ -259,7 +295,7 @@ class Model:
             return seq.feed(ids, all_logits=True)
 
     def generate(self, prompt: str | Seq[int], seq: Sequence | None = None, constraint=None,
-                 **sampling) -> Generation:
+                 speculate: bool = True, **sampling) -> Generation:
         """Stream a continuation of a prompt (text, tokenized with BOS per the model, or ids).
 
         Args:
@@ -269,16 +305,21 @@ class Model:
                 at the end.
             constraint: optional TokenConstraint over ``token_vocab`` (e.g.
                 TokenConstraint.json_schema(schema, m.token_vocab)); used up by one call.
+            speculate: draft tokens as the load settings say (prompt lookup, a draft
+                model); False: plain decoding. The output is the same either way (at a
+                temperature above 0, distributed the same).
             **sampling: SamplingParams fields (temperature, top_k, ..., seed, max_tokens, stop).
         Returns:
             A Generation: Chunk pieces of text (str) carrying .tokens, .logprobs and, on the
             last, .finish_reason.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return self._generate(ids, self._params(sampling), seq, constraint=constraint)
+        return self._generate(ids, self._params(sampling), seq, constraint=constraint,
+                              speculate=speculate)
 
     def chat(self, messages: list[dict], seq: Sequence | None = None,
-             context_shift: bool = False, constraint=None, **sampling) -> Generation:
+             context_shift: bool = False, constraint=None, speculate: bool = True,
+             **sampling) -> Generation:
         """Stream the assistant's reply to a conversation, using the chat template.
 
         Args:
@@ -287,14 +328,14 @@ class Model:
             context_shift: when the conversation does not fit, or fills up while replying,
                 drop its oldest turns (after any system message) instead of failing or
                 stopping; ``stats.dropped_messages`` counts them.
-            constraint: as for generate.
+            constraint, speculate: as for generate.
             **sampling: SamplingParams fields.
         """
         params = self._params(sampling)
         if not context_shift:
             return self._generate(self.chat_tokens(messages), params, seq,
-                                  constraint=constraint)
-        return self._shifting_chat(list(messages), params, seq, constraint)
+                                  constraint=constraint, speculate=speculate)
+        return self._shifting_chat(list(messages), params, seq, constraint, speculate)
 
     @cached_property
     def token_vocab(self):
@@ -320,32 +361,34 @@ class Model:
 
     def _generate(self, ids: list[int], params: SamplingParams, seq: Sequence | None,
                   shift=None, stats: GenerationStats | None = None,
-                  constraint=None) -> Generation:
+                  constraint=None, speculate: bool = True) -> Generation:
         self._check_prompt(ids)
         if seq is not None:
             seq._check()
         stats = stats or GenerationStats()
         self.last_stats = stats
-        return Generation(self._run(ids, params, seq, stats, shift, constraint), stats)
+        return Generation(self._run(ids, params, seq, stats, shift, constraint, speculate),
+                          stats)
 
-    def _run(self, ids, params, seq, stats, shift, constraint) -> Iterator[Chunk]:
-        d = self._start(ids, params, seq, stats, shift, constraint)
+    def _run(self, ids, params, seq, stats, shift, constraint, speculate) -> Iterator[Chunk]:
+        d = self._start(ids, params, seq, stats, shift, constraint, speculate)
         try:
             yield from run_generation(d.seq.feed, d.decoder)
         finally:
             d.close()
 
     def start(self, prompt: str | Seq[int], seq: Sequence | None = None, constraint=None,
-              **sampling) -> "Decoding":
+              speculate: bool = True, **sampling) -> "Decoding":
         """A generation to drive step by step (batching.Batcher does): the prompt is matched
         against the cache now; see generate for the arguments."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(ids)
         stats = GenerationStats()
         self.last_stats = stats
-        return self._start(ids, self._params(sampling), seq, stats, None, constraint)
+        return self._start(ids, self._params(sampling), seq, stats, None, constraint, speculate)
 
-    def _start(self, ids, params, seq, stats, shift, constraint) -> "Decoding":
+    def _start(self, ids, params, seq, stats, shift, constraint,
+               speculate: bool = True) -> "Decoding":
         own = seq is None
         if own:
             seq = self.new_sequence()
@@ -363,16 +406,39 @@ class Model:
             seq.adopt(fresh)  # positions changed: the shortened conversation anew
             return logits, room
 
+        def rollback(n: int) -> None:
+            want = len(seq) - n
+            if seq.trim(want) != want:  # cannot happen for a draft within one KV block
+                raise EngineError(f"could not roll a sequence back to {want} tokens")
+
         # Constrained text is checked byte for byte: decoded without space cleaning.
         stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
         decoder = Decoder(ids, cached, self.ctx - len(ids), params, self.vocab_size, stream,
                           self.tokenizer.is_eog, stats, self.backend.logsumexp,
                           lambda: self.kv.cache.checkpoint(seq.kv),
-                          make_room if shift is not None else None, constraint)
+                          make_room if shift is not None else None, constraint,
+                          self._speculator(params, seq) if speculate else None, rollback)
         return Decoding(decoder, seq, own)
 
+    def _speculator(self, params: SamplingParams, seq: Sequence):
+        """Returns: what makes a generation's Speculator (given its seed), or None when
+        the load settings ask for no drafts."""
+        s = self.settings
+        if not s.lookup and self.draft is None:
+            return None
+
+        def make(seed: int) -> Speculator:
+            drafters = [LookupDrafter(s.lookup)] if s.lookup else []
+            if self.draft is not None:
+                drafters.append(ModelDrafter(self.draft, lambda: seq.tokens, params, seed,
+                                             s.draft_max, self.vocab_size,
+                                             self.tokenizer.is_eog))
+            return Speculator(drafters)
+        return make
+
     def _shifting_chat(self, messages: list[dict], params: SamplingParams,
-                       seq: Sequence | None, constraint=None) -> Generation:
+                       seq: Sequence | None, constraint=None,
+                       speculate: bool = True) -> Generation:
         """chat() with the oldest turns dropped as needed to fit the context."""
         first = 1 if messages and messages[0].get("role") == "system" else 0
         stats = GenerationStats()
@@ -399,9 +465,11 @@ class Model:
                 return None
             return new, self.ctx - len(new)
 
-        return self._generate(ids, params, seq, shift, stats, constraint)
+        return self._generate(ids, params, seq, shift, stats, constraint, speculate)
 
     def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         self.file.close()
 
     def __enter__(self):
@@ -418,7 +486,7 @@ def load(path_or_name: str | os.PathLike | None = None, **settings) -> Model:
         path_or_name: a .gguf path, a known model name (see ``llm list``), or None for the
             default model.
         **settings: LoadSettings fields (ctx_size, threads, batch_size, chat_template, ctk,
-            ctv, kv_block_size, kv_pool_mb, ...).
+            ctv, kv_block_size, kv_pool_mb, lookup, draft, draft_max, ...).
     Returns:
         A Model.
     """

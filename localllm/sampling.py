@@ -57,6 +57,23 @@ class SamplingParams:
                              f"got {self.top_logprobs}")
 
 
+@dataclass
+class Dist:
+    """A distribution over tokens: candidate ids and their probabilities (summing to 1)."""
+    ids: np.ndarray       # int, most likely first
+    probs: np.ndarray     # float64
+
+    @classmethod
+    def one(cls, tok: int) -> "Dist":
+        """Returns: all the mass on one token."""
+        return cls(np.array([tok]), np.ones(1))
+
+    def prob(self, tok: int) -> float:
+        """Returns: the probability of ``tok`` (0 outside the candidates)."""
+        at = np.flatnonzero(self.ids == tok)
+        return float(self.probs[at[0]]) if at.size else 0.0
+
+
 class ConstraintError(ValueError):
     """The constraint allows no next token (a grammar with a dead end)."""
 
@@ -155,30 +172,83 @@ class Sampler:
             ``top_logprobs`` most likely (id, log-probability) pairs, or []).
         """
         p, con = self.p, self.constraint
-        if (p.temperature == 0 and not p.logit_bias and p.repeat_penalty == 1.0
-                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
-            tok = int(np.argmax(logits))  # plain greedy: no copy of the logits needed
-            if con is not None and not con.allowed(tok):
-                tok = int(np.argmax(np.where(self._allowed(), logits, -np.inf)))
+        if self._plain_greedy():
+            tok = self._greedy(logits, con)
         else:
             cand, zc = self.candidates(logits, history)
             tok = self._draw(cand, zc)
             if con is not None and not con.allowed(tok):
-                allowed = self._allowed()
+                allowed = self._allowed(con)
                 keep = allowed[cand]
                 if keep.any() and cand.size > 1:
                     tok = self._draw(cand[keep], zc[keep])
                 else:
                     tok = self._draw(*self.candidates(logits, history, allowed))
-        if con is not None:
-            con.advance(tok)
+        return (tok, *self.take(logits, tok))
+
+    def take(self, logits: np.ndarray, tok: int) -> tuple[float, list]:
+        """Move the constraint past a chosen token and report it.
+
+        Returns:
+            (its log-probability under the raw distribution, the ``top_logprobs`` pairs).
+        """
+        if self.constraint is not None:
+            self.constraint.advance(tok)
+        p = self.p
         lse = self._logsumexp(logits)
         top = []
         if p.top_logprobs:
             ids = np.argpartition(logits, -p.top_logprobs)[-p.top_logprobs:]
             ids = ids[np.lexsort((ids, -logits[ids]))]
             top = [(int(t), float(logits[t]) - lse) for t in ids]
-        return tok, float(logits[tok]) - lse, top
+        return float(logits[tok]) - lse, top
+
+    def distribution(self, logits: np.ndarray, history: list[int], constraint=None) -> Dist:
+        """The exact distribution ``sample`` draws the next token from (speculative
+        decoding checks drafts against it).
+
+        Args:
+            logits: float (vocab,); history: tokens so far, for the penalties.
+            constraint: the TokenConstraint in force at this position, or None.
+        Returns:
+            A Dist over the tokens that can be drawn.
+        """
+        if self._plain_greedy():
+            return Dist.one(self._greedy(logits, constraint))
+        cand, zc = self.candidates(logits, history)
+        if constraint is not None:
+            allowed = self._allowed(constraint)
+            keep = allowed[cand]
+            if keep.all():
+                pass
+            elif keep.any():  # a disallowed first draw is drawn again among the allowed
+                cand, zc = cand[keep], zc[keep]
+            else:
+                cand, zc = self.candidates(logits, history, allowed)
+        if cand.size == 1:
+            return Dist.one(int(cand[0]))
+        w = np.exp((zc - zc.max()) / self.p.temperature)
+        return Dist(cand, w / w.sum())
+
+    def draw(self, dist: "Dist") -> int:
+        """Returns: a token drawn from ``dist`` with this sampler's generator (no draw at
+        all when it has one token)."""
+        if dist.ids.size == 1:
+            return int(dist.ids[0])
+        c = np.cumsum(dist.probs)
+        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        return int(dist.ids[min(i, dist.ids.size - 1)])
+
+    def _plain_greedy(self) -> bool:
+        p = self.p
+        return (p.temperature == 0 and not p.logit_bias and p.repeat_penalty == 1.0
+                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+    def _greedy(self, logits: np.ndarray, con) -> int:
+        tok = int(np.argmax(logits))  # plain greedy: no copy of the logits needed
+        if con is not None and not con.allowed(tok):
+            tok = int(np.argmax(np.where(self._allowed(con), logits, -np.inf)))
+        return tok
 
     def _logsumexp(self, logits: np.ndarray) -> float:
         return self._lse(logits) if self._lse is not None else logsumexp(logits)
@@ -192,8 +262,8 @@ class Sampler:
         i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
         return int(cand[min(i, cand.size - 1)])
 
-    def _allowed(self) -> np.ndarray:
-        mask = self.constraint.mask()
+    def _allowed(self, con) -> np.ndarray:
+        mask = con.mask()
         if not mask.any():
             raise ConstraintError("no token can continue the constrained output")
         if mask.size < self.vocab_size:  # logits padded past the tokenizer's vocabulary

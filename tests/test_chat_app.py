@@ -389,3 +389,21 @@ def test_a_model_that_does_not_load_is_reported_and_nothing_is_sent(tmp_path):
             assert app.conv.messages == {} and app.prompt_box.text == "Hello?"
             assert "the model did not load" in status(app)
     asyncio.run(main())
+
+
+def test_status_bar_reports_drafts(smollm_path, tmp_path):
+    import localllm
+    with localllm.load(smollm_path, ctx_size=CTX, lookup=10) as m:
+        app = ObservedApp(ChatOptions(
+            load=lambda: m, model_label="smollm2-135m", database=tmp_path / "chat.db",
+            clipboard=tmp_path / "clip.txt", sampling=dict(temperature=0.0, max_tokens=24)))
+
+        async def script(pilot):
+            await say(pilot, "Say: The lighthouse keeper climbed the spiral stairs every "
+                             "evening at dusk, carrying a can of oil and a cloth.")
+            s = app.last_stats
+            assert s.draft_tokens > 0 and 0 <= s.accepted_tokens <= s.draft_tokens
+            assert f"{s.tokens_per_pass:.2f} tok/pass" in status(app)
+            await say(pilot, "/stats")
+            assert f"{s.accepted_tokens} of {s.draft_tokens} drafted tokens" in notes(app)[-1]
+        drive(app, script)

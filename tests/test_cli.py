@@ -68,6 +68,22 @@ def test_verbose_statistics_go_to_stderr(smollm_path):
     assert "tok/s" not in r.stdout
 
 
+def test_lookup_is_on_by_default_and_changes_nothing(smollm_path):
+    # A passage followed by its own beginning: the model copies it on.
+    text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "
+            "a can of oil and a cloth. He trimmed the wick and polished the great lens.")
+    args = ("run", str(smollm_path), "--raw", "-n", "24", "--temp", "0", "-v",
+            "-p", f"{text}\n\n{text[:50]}")
+    on, off = llm(*args), llm(*args, "--no-lookup")
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    assert on.stdout == off.stdout and on.stdout.strip()
+    assert "speculation: off" in off.stderr
+    m = re.search(r"speculation \(prompt lookup\): (\d+)/(\d+) drafted tokens accepted "
+                  r"\(\d+%\), ([\d.]+) tokens per pass", on.stderr)
+    assert m, on.stderr
+    assert int(m.group(1)) > 5 and float(m.group(3)) > 1.3
+
+
 def test_same_seed_same_output_across_processes(smollm_path):
     args = ("run", str(smollm_path), "-p", "Tell me a story.", "-n", "16", "--temp", "0.9",
             "--seed", "42")
@@ -87,7 +103,7 @@ def _unsupported_arch(path):
 
 
 @pytest.fixture
-def bad_files(tmp_path, smollm_path):
+def bad_files(tmp_path, smollm_path, gemma_path):
     text = tmp_path / "notes.gguf"
     text.write_text("hello, I am not a model\n")
     trunc = tmp_path / "truncated.gguf"
@@ -98,7 +114,7 @@ def bad_files(tmp_path, smollm_path):
     tmpl = tmp_path / "broken.jinja"
     tmpl.write_text("{% for m in messages %}{{ m.content }")
     return {"text": text, "trunc": trunc, "arch": arch, "tmpl": tmpl,
-            "missing": tmp_path / "missing.gguf"}
+            "missing": tmp_path / "missing.gguf", "gemma": gemma_path}
 
 
 @pytest.mark.parametrize("case, args, needle", [
@@ -115,6 +131,10 @@ def bad_files(tmp_path, smollm_path):
     ("template", ["run", "-p", "hi", "--chat-template", "{tmpl}"], "template"),
     ("inspect", ["inspect", "{missing}"], "no such"),
     ("memory", ["run", "-c", "100000000", "-p", "hi"], "not enough memory"),
+    ("lookup", ["run", "-p", "hi", "--lookup", "40"], "--lookup"),
+    ("draft_max", ["run", "-p", "hi", "--draft-max", "0"], "--draft-max"),
+    ("draft", ["run", "-p", "hi", "--draft", "{gemma}"], "tokenizer"),
+    ("draft_missing", ["run", "-p", "hi", "--draft", "{missing}"], "no such"),
 ])
 def test_bad_input_is_one_clear_line(bad_files, case, args, needle):
     args = [a.format(**bad_files) for a in args]

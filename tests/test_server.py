@@ -442,6 +442,26 @@ def test_metrics_exposition(server):
         m["localllm_time_to_first_token_seconds_count"] > 0
 
 
+def test_metrics_count_prompt_lookup_drafts(server, client):
+    # `llm serve` drafts by prompt lookup unless --no-lookup: a prompt the model copies.
+    text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "
+            "a can of oil and a cloth. He trimmed the wick and polished the great lens.")
+    before = server.metrics()
+    r = client.completions.create(model="smollm2-135m", prompt=f"{text}\n\n{text[:50]}",
+                                  max_tokens=24, temperature=0)
+    m = server.metrics()
+    drafted = (m["localllm_spec_decode_draft_tokens_total"]
+               - before["localllm_spec_decode_draft_tokens_total"])
+    accepted = (m["localllm_spec_decode_accepted_tokens_total"]
+                - before["localllm_spec_decode_accepted_tokens_total"])
+    passes = (m["localllm_spec_decode_target_passes_total"]
+              - before["localllm_spec_decode_target_passes_total"])
+    assert 5 < accepted <= drafted
+    assert passes < r.usage.completion_tokens - 1  # fewer passes than tokens
+    assert 0 < m["localllm_spec_decode_acceptance_ratio"] <= 1
+    assert m["localllm_spec_decode_tokens_per_pass"] > 1
+
+
 def test_host_rules():
     from localllm.server.security import HostAllowlist, host_of, is_loopback
     assert [host_of(h) for h in ("a.b:80", "[::1]:8080", "[::1]", "Local.Host.", "1.2.3.4")] == \

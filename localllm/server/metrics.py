@@ -61,6 +61,9 @@ class RequestRecord:
     time_per_output_token: float | None = None
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    decode_passes: int = 0            # the model's forward passes after the prompt's
+    plain_seconds_per_pass: float = 0.0   # measured on passes without a draft (0: none)
+    decode_seconds: float = 0.0
 
 
 @dataclass
@@ -74,6 +77,10 @@ class Metrics:
     generations: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    decode_tokens: int = 0        # generated tokens after each generation's first
+    decode_passes: int = 0
+    plain_equivalent_seconds: float = 0.0   # what the timed generations' decoding would
+    timed_decode_seconds: float = 0.0       # take without drafts, and what it took
     rejected_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -85,6 +92,12 @@ class Metrics:
             self.generated_tokens += r.generated_tokens
             self.draft_tokens += r.draft_tokens
             self.accepted_tokens += r.accepted_tokens
+            self.decode_tokens += max(r.generated_tokens - 1, 0)
+            self.decode_passes += r.decode_passes
+            if r.plain_seconds_per_pass > 0 and r.decode_seconds > 0:
+                self.plain_equivalent_seconds += (max(r.generated_tokens - 1, 0)
+                                                  * r.plain_seconds_per_pass)
+                self.timed_decode_seconds += r.decode_seconds
             if r.time_to_first_token is not None:
                 self.ttft.observe(r.time_to_first_token)
             if r.time_per_output_token is not None:
@@ -98,6 +111,9 @@ class Metrics:
         """The exposition text for one scrape."""
         with self._lock:
             acceptance = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+            per_pass = self.decode_tokens / self.decode_passes if self.decode_passes else 0.0
+            speedup = (self.plain_equivalent_seconds / self.timed_decode_seconds
+                       if self.timed_decode_seconds else 0.0)
             rows = [
                 ("time_to_first_token_seconds", "histogram",
                  "Time from a request's arrival to its first generated token.", self.ttft),
@@ -118,6 +134,13 @@ class Metrics:
                  self.accepted_tokens),
                 ("spec_decode_acceptance_ratio", "gauge", "Accepted over proposed tokens.",
                  acceptance),
+                ("spec_decode_target_passes_total", "counter",
+                 "Forward passes of the model after each prompt's.", self.decode_passes),
+                ("spec_decode_tokens_per_pass", "gauge",
+                 "Generated tokens (after each generation's first) per forward pass.", per_pass),
+                ("spec_decode_speedup", "gauge",
+                 "Decode speed over plain decoding's, timed on passes without a draft.",
+                 speedup),
                 ("requests_waiting", "gauge", "Requests in the queue.", g.requests_waiting),
                 ("requests_running", "gauge", "Requests being generated.", g.requests_running),
                 ("kv_blocks_used", "gauge", "KV cache blocks held by sequences.", g.kv_blocks_used),

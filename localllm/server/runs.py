@@ -230,8 +230,10 @@ class JobRun:
         ttft = c.first_at - self.submitted if c.first_at is not None and c.index == 0 else None
         tpot = ((c.last_at - c.first_at) / (s.generated_tokens - 1)
                 if c.first_at is not None and s.generated_tokens > 1 else None)
-        self.metrics.record(RequestRecord(usage.prompt_tokens, usage.cached_tokens,
-                                          usage.completion_tokens, ttft, tpot))
+        self.metrics.record(RequestRecord(
+            usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, ttft, tpot,
+            s.draft_tokens, s.accepted_tokens, s.decode_passes,
+            s.plain_seconds / s.plain_passes if s.plain_passes else 0.0, s.generate_seconds))
         events: list[Event] = [Finished(c.index, finish_reason, usage)]
         if not self._choices:
             events.append(Done())

@@ -59,6 +59,10 @@ class ReplyStats:
     finish_reason: str = ""          # stop, length, context, cancelled
     seed: int = 0
     reuse_note: str = ""             # why prompt tokens were recomputed, if any were
+    draft_tokens: int = 0            # speculative decoding: drafted tokens checked, ...
+    accepted_tokens: int = 0         # ... those accepted, ...
+    tokens_per_pass: float = 0.0     # ... tokens per forward pass, and the speedup over
+    speedup: float = 0.0             # plain decoding (0: not measured)
 
     def as_meta(self) -> dict:
         return dict(self.__dict__)
@@ -162,7 +166,9 @@ class ChatModel:
         stats = ReplyStats(prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                            prompt_tps=s.prompt_tps, generated_tokens=len(tokens),
                            time_to_first_token=(t_first - t0) if t_first else 0.0,
-                           finish_reason=finish, seed=s.seed)
+                           finish_reason=finish, seed=s.seed, draft_tokens=s.draft_tokens,
+                           accepted_tokens=s.accepted_tokens,
+                           tokens_per_pass=s.tokens_per_pass, speedup=s.speedup)
         stats.generate_tps = s.generate_tps if not cancelled else (
             (len(tokens) - 1) / (t_last - t_first) if len(tokens) > 1 and t_last > t_first
             else 0.0)

@@ -12,7 +12,7 @@ from .events import ReplyRequest, SummaryDone
 from .export import ExportError, read_file, write_file
 from .store import StoreError
 from .tree import Message
-from .widgets import MessageView, code_blocks
+from .widgets import MessageView, code_blocks, speculation_figures
 
 # Commands that make sense while a reply is being written.
 _WHILE_WRITING = {"help", "stats", "copy", "save", "export", "quit"}
@@ -302,6 +302,9 @@ class ChatCommands:
                          f"{s.prompt_tps:.1f} tok/s · {s.generated_tokens} tokens at "
                          f"{s.generate_tps:.1f} tok/s · first token after "
                          f"{s.time_to_first_token:.2f} s · {s.finish_reason} · seed {s.seed}")
+            if s.draft_tokens:
+                lines.append(f"speculation: {speculation_figures(s)} "
+                             f"({s.accepted_tokens} of {s.draft_tokens} drafted tokens)")
             if s.reuse_note:
                 lines.append(f"recomputed: {s.reuse_note}")
         c = self.conv

@@ -185,6 +185,13 @@ def reply_figures(meta: dict) -> str:
     return out + (f"  [i]({why})[/i]" if why else "")
 
 
+def speculation_figures(stats: ReplyStats) -> str:
+    """Drafts accepted, tokens per model pass and the speedup, for the status bar."""
+    speed = f" · {stats.speedup:.2f}x" if stats.speedup else ""
+    return (f"drafts {100 * stats.accepted_tokens / stats.draft_tokens:.0f}% accepted · "
+            f"{stats.tokens_per_pass:.2f} tok/pass{speed}")
+
+
 class NoteView(Static):
     """A notice in the conversation (help, statistics, errors); not part of it."""
 
@@ -210,6 +217,8 @@ class StatusBar(Static):
         if stats is not None:
             figures = (f"reused {stats.cached_tokens}/{stats.prompt_tokens} prompt tokens │ "
                        f"prompt {stats.prompt_tps:.0f} tok/s · gen {stats.generate_tps:.1f} tok/s")
+            if stats.draft_tokens:
+                figures += f" │ {speculation_figures(stats)}"
             if stats.reuse_note:
                 figures += f" │ recomputed: {stats.reuse_note}"
             line2 = f"{line2} │ {figures}" if line2 else figures
