@@ -152,7 +152,7 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="browser origin allowed to call the API (repeatable; default: none)")
     srv.add_argument("--parallel", type=_positive_int, default=1,
-                     help="requests generated together, a token each in turn (default 1)")
+                     help="requests generated together in each forward pass (default 1)")
     srv.add_argument("--max-queue", type=int, default=16,
                      help="requests waiting beyond --parallel; past that 503 (default 16)")
     srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
