@@ -207,11 +207,16 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="browser origin allowed to call the API (repeatable; default: none)")
     srv.add_argument("--parallel", type=_positive_int, default=1,
-                     help="requests generated together, a token each in turn (default 1)")
+                     help="requests generated together in each forward pass (default 1)")
     srv.add_argument("--max-queue", type=int, default=16,
                      help="requests waiting beyond --parallel; past that 503 (default 16)")
     srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
                      help="largest request body (default 4 MiB)")
+    srv.add_argument("--max-connections", type=_positive_int, default=256, metavar="N",
+                     help="open connections at most; past that 503 (default 256)")
+    srv.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="time a client has to send a request's head, and at most between "
+                          "parts of its body (default 10)")
     srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_model_options(srv)
     _add_speculative_options(srv)
@@ -371,6 +376,7 @@ def cmd_serve(args) -> int:
         model=args.model, host=args.host, port=args.port, api_key=key,
         allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
         max_queue=args.max_queue, max_body=args.max_body,
+        max_connections=args.max_connections, request_timeout=args.request_timeout,
         load=_model_settings(args) | _speculative_settings(args),
         sampling=sampling, verbose=args.verbose))
 

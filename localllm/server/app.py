@@ -42,7 +42,8 @@ def create_app(state: ServerState) -> FastAPI:
     _add_service_routes(app)
     s = state.settings
     hosts = HostAllowlist([*s.allow_hosts, s.host])
-    app.add_middleware(GuardMiddleware, hosts=hosts, api_key=s.api_key, max_body=s.max_body)
+    app.add_middleware(GuardMiddleware, hosts=hosts, api_key=s.api_key, max_body=s.max_body,
+                       body_timeout=s.request_timeout)
     if s.cors_origins:  # off unless asked for: a web page must not reach the model by default
         app.add_middleware(CORSMiddleware, allow_origins=s.cors_origins,
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],

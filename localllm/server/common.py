@@ -4,7 +4,6 @@ job while watching for the client leaving, and server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import secrets
 import time
@@ -19,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import Metrics
-from .runs import Done, Event, Failed, Finished, TokenLogprob, Usage
+from .runs import Done, Event, Failed, Finished, OutputFormat, TokenLogprob, Usage
 from .scheduler import Job, Scheduler
 from .schemas import SamplingFields
 from .settings import ServerSettings
@@ -29,11 +28,6 @@ DISCONNECT_POLL_S = 0.25
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
-
-
-def grammar_available() -> bool:
-    """Whether the engine can constrain sampling to JSON (its grammar module is present)."""
-    return importlib.util.find_spec("localllm.grammar") is not None
 
 
 @dataclass
@@ -115,12 +109,13 @@ class ServerState:
         return s
 
 
-def refuse_constraint(kind: str, param: str) -> None:
-    """JSON output must come from constrained sampling, never from a hint in the prompt;
-    until the engine can constrain, such a request is refused."""
-    if kind != "text" and not grammar_available():
-        raise APIError(400, f"{param} {kind!r} needs constrained sampling, which this "
-                            "version of the engine does not have yet", "unsupported_value", param)
+def output_format(kind: str, schema: dict | None, param: str) -> OutputFormat | None:
+    """JSON output asked for by a request, or None for plain text. Sampling is constrained
+    by the format's grammar, so the output parses (and matches the schema) whatever the
+    model would rather write."""
+    if kind == "text":
+        return None
+    return OutputFormat(kind, schema if kind == "json_schema" else None, param)
 
 
 # ----------------------------------------------------------------------------- waiting

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 log = logging.getLogger("localllm.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
@@ -105,7 +105,7 @@ def install_handlers(app: FastAPI) -> None:
         messages = {404: f"no such endpoint: {request.method} {request.url.path}",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         message = messages.get(exc.status_code, str(exc.detail))
-        code = {413: "request_too_large"}.get(exc.status_code)
+        code = {408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, message, code).response()
 
     @app.exception_handler(Exception)

@@ -82,6 +82,7 @@ class Metrics:
     plain_equivalent_seconds: float = 0.0   # what the timed generations' decoding would
     timed_decode_seconds: float = 0.0       # take without drafts, and what it took
     rejected_requests: int = 0
+    preempted_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, r: RequestRecord) -> None:
@@ -107,6 +108,10 @@ class Metrics:
         with self._lock:
             self.rejected_requests += 1
 
+    def preempted(self) -> None:
+        with self._lock:
+            self.preempted_requests += 1
+
     def render(self, g: Gauges) -> str:
         """The exposition text for one scrape."""
         with self._lock:
@@ -128,6 +133,9 @@ class Metrics:
                  "Finished or stopped generations (one per choice).", self.generations),
                 ("requests_rejected_total", "counter", "Requests refused with 503 (queue full).",
                  self.rejected_requests),
+                ("requests_preempted_total", "counter",
+                 "Running requests that gave their KV blocks back to older ones (rerun later).",
+                 self.preempted_requests),
                 ("spec_decode_draft_tokens_total", "counter", "Tokens proposed by speculation.",
                  self.draft_tokens),
                 ("spec_decode_accepted_tokens_total", "counter", "Proposed tokens accepted.",

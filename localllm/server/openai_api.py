@@ -7,8 +7,8 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from .common import (ServerState, event_stream, logprob_items, new_id, refuse_constraint,
-                     respond, sse, total_usage, usage_body)
+from .common import (ServerState, event_stream, logprob_items, new_id, output_format, respond,
+                     sse, total_usage, usage_body)
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -52,12 +52,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
     st.check_model(body.model)
     st.check_n(body.n)
-    fmt = body.response_format.type if body.response_format else "text"
-    refuse_constraint(fmt, "response_format")
+    fmt = body.response_format
+    output = output_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None,
+                           "response_format") if fmt else None
     sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
     messages = [m.as_template_message() for m in body.messages]
     spec = GenerationSpec([Prompt(messages=messages)], sampling, n=body.n, logprobs=body.logprobs,
-                          top_logprobs=body.top_logprobs or 0)
+                          top_logprobs=body.top_logprobs or 0, output=output)
     job = st.scheduler.submit(spec)
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": st.model_id,
             "system_fingerprint": st.fingerprint}

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from .common import (ServerState, StoredResponse, event_stream, logprob_items, new_id,
-                     refuse_constraint, respond, sse)
+                     output_format, respond, sse)
 from .errors import APIError
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started, Usage
 from .schemas import ResponsesRequest
@@ -89,7 +89,7 @@ class _Turn:
             "parallel_tool_calls": False, "previous_response_id": b.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": b.store,
             "temperature": s.get("temperature"), "top_p": s.get("top_p"),
-            "text": {"format": {"type": b.text.format.type if b.text else "text"}},
+            "text": {"format": _format_echo(b)},
             "tool_choice": "none", "tools": [], "truncation": "disabled",
             "metadata": b.metadata or {}, "user": None,
             "usage": {"input_tokens": u.prompt_tokens,
@@ -116,7 +116,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     """Create a response; with previous_response_id it continues that conversation."""
     st = _state(request)
     st.check_model(body.model)
-    refuse_constraint(body.text.format.type if body.text else "text", "text.format")
+    fmt = body.text.format if body.text else None
+    output = output_format(fmt.type, fmt.schema_, "text.format") if fmt else None
     history: list[dict] = []
     if body.previous_response_id is not None:
         prev = st.responses.get(body.previous_response_id)
@@ -128,7 +129,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     turn = _Turn(st, body, st.sampling(body, body.max_output_tokens, None), history)
     spec = GenerationSpec([Prompt(messages=turn.messages(), param="input")], turn.sampling,
                           logprobs=turn.logprobs,
-                          top_logprobs=(body.top_logprobs or 0) if turn.logprobs else 0)
+                          top_logprobs=(body.top_logprobs or 0) if turn.logprobs else 0,
+                          output=output)
     job = st.scheduler.submit(spec)
 
     def whole(events: list[Event]) -> JSONResponse:
@@ -140,6 +142,15 @@ async def create_response(body: ResponsesRequest, request: Request):
     def stream(first: Event):
         return event_stream(first, job, lambda ev: _render(turn, ev), lambda: [])
     return await respond(job, request, stream if body.stream else None, whole)
+
+
+def _format_echo(body: ResponsesRequest) -> dict:
+    """The response's ``text.format``: the request's, as OpenAI echoes it."""
+    f = body.text.format if body.text else None
+    if f is None or f.type != "json_schema":
+        return {"type": f.type if f else "text"}
+    return {"type": f.type, "name": f.name, "schema": f.schema_, "description": f.description,
+            "strict": f.strict}
 
 
 def _render(turn: _Turn, ev: Event) -> list[str]:

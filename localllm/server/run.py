@@ -19,6 +19,7 @@ from .app import create_app
 from .common import ResponseStore, ServerState
 from .metrics import Metrics
 from .scheduler import Limits, Scheduler
+from .security import guarded_protocol
 from .settings import ServerSettings
 
 
@@ -111,7 +112,8 @@ def serve(settings: ServerSettings) -> int:
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # logs never on stdout
     config = uvicorn.Config(create_app(state), log_level="info" if settings.verbose else "warning",
                             log_config=log_config, access_log=settings.verbose, lifespan="on",
-                            server_header=False,
+                            server_header=False, http=guarded_protocol(settings.request_timeout),
+                            limit_concurrency=settings.max_connections,
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace)))
     server = _Server(config, scheduler)
     scheduler.start()

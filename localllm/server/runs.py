@@ -1,13 +1,12 @@
-"""What the worker thread does for one request: tokenize and check its prompts, generate its
-choices chunk by chunk through the engine, and describe the progress as events."""
+"""What the worker thread does for one request: tokenize and check its prompts, run its
+choices as requests of the continuous batcher (n choices of a prompt forked from one
+sequence that processed it once), and describe the progress as events."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
 
 from .errors import APIError
 from .metrics import Metrics, RequestRecord
@@ -37,6 +36,16 @@ class GenerationSpec:
     top_logprobs: int = 0       # alternatives reported per position (with logprobs)
     add_special: bool = True    # BOS for text prompts, as the model's file asks
     echo: bool = False          # Started carries the prompt's text
+    output: "OutputFormat | None" = None   # JSON output, constrained token by token
+
+
+@dataclass
+class OutputFormat:
+    """Output that must be JSON: any object ('json_object') or a value valid under a schema
+    ('json_schema')."""
+    kind: str
+    schema: dict | None = None
+    param: str = "response_format"   # the request field it came from
 
 
 # ----------------------------------------------------------------------------- events
@@ -111,13 +120,26 @@ Event = Started | Piece | Finished | Failed | Done
 @dataclass
 class _Choice:
     index: int
-    prompt: list[int]
     sampling: dict
-    echo: str | None = None
-    gen: Iterator | None = None
-    stats: object = None          # the engine's GenerationStats of this generation
+    req: object = None            # its batching.Request while it runs
+    seq: object = None            # a Sequence the server made for it (n > 1), released at the end
+    started: bool = False
+    finished: bool = False
+    delivered: int = 0            # chunks passed on; a rerun after preemption skips as many
+    skip: int = 0
     first_at: float | None = None
     last_at: float | None = None
+
+
+@dataclass
+class _Group:
+    """One prompt and its n choices: the first unfinished one (the lead) processes the prompt
+    in its own sequence, which the others fork once it has."""
+    prompt: list[int]
+    echo: str | None
+    choices: list[_Choice]
+    lead: _Choice | None = None
+    forks: list[_Choice] = field(default_factory=list)   # waiting for the lead's prompt
 
 
 def _finite(x: float) -> float:
@@ -125,9 +147,10 @@ def _finite(x: float) -> float:
 
 
 class JobRun:
-    """A request's choices, generated one after another on the worker thread."""
+    """A request's choices as requests of the worker's Batcher."""
 
-    def __init__(self, model, spec: GenerationSpec, metrics: Metrics, submitted: float):
+    def __init__(self, model, spec: GenerationSpec, metrics: Metrics, submitted: float,
+                 constraint=None):
         """Tokenizes and checks every prompt before any generation starts, so a bad prompt
         fails the whole request with an honest status.
 
@@ -136,6 +159,7 @@ class JobRun:
             spec: what to generate.
             metrics: where finished generations are counted.
             submitted: perf_counter time of the request's arrival (for time to first token).
+            constraint: the TokenConstraint of spec.output, copied for each choice.
         Raises:
             APIError: a prompt that is empty, has unknown token ids, or does not fit the context.
         """
@@ -143,19 +167,23 @@ class JobRun:
         self.spec = spec
         self.metrics = metrics
         self.submitted = submitted
-        self._choices: deque[_Choice] = deque()
+        self.constraint = constraint
+        self.running = False
         self._check_bias(spec.sampling.get("logit_bias") or {})
         seed = spec.sampling.get("seed")
+        self._groups: list[_Group] = []
         for p, prompt in enumerate(spec.prompts):
             ids = self._tokens(prompt)
             echo = None
             if spec.echo:
                 echo = prompt.text if prompt.text is not None else model.detokenize(ids)
+            choices = []
             for i in range(spec.n):
                 sampling = dict(spec.sampling, top_logprobs=spec.top_logprobs)
                 if seed is not None:  # each choice its own stream, all reproducible
                     sampling["seed"] = (seed + i) % SEED_SPACE
-                self._choices.append(_Choice(p * spec.n + i, ids, sampling, echo))
+                choices.append(_Choice(p * spec.n + i, sampling))
+            self._groups.append(_Group(ids, echo, choices))
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         m = self.model
@@ -184,60 +212,158 @@ class JobRun:
                                 f"(0..{self.model.vocab_size - 1})", "invalid_value", "logit_bias")
 
     @property
+    def started(self) -> bool:
+        """Whether any choice has begun (its client has seen the request accepted)."""
+        return any(c.started for g in self._groups for c in g.choices)
+
+    @property
     def done(self) -> bool:
-        return not self._choices
+        return all(c.finished for g in self._groups for c in g.choices)
 
-    def step(self) -> list[Event]:
-        """Advance the current choice by one chunk of text (one token, unless the text of a
-        token is held back for a stop string or an unfinished character).
+    def blocks_needed(self, block_size: int) -> int:
+        """KV blocks the request needs to start: its prompts once, a block or two a choice."""
+        return sum(-(-len(g.prompt) // block_size) + 2 * len(g.choices) for g in self._groups)
 
-        Returns:
-            the events to deliver, in order.
+    # ---- driving it -------------------------------------------------------------------
+
+    def start(self, batcher) -> list[Event]:
+        """Add each prompt's lead choice to the batcher (the others follow once it has
+        processed the prompt); also after a preemption, for the choices not yet finished.
+
+        Raises:
+            ValueError, TypeError: the engine refuses the settings.
         """
-        c = self._choices[0]
-        if c.gen is None:
-            c.gen = self.model.generate(c.prompt, **c.sampling)
-            c.stats = c.gen.stats
-            return [Started(c.index, len(c.prompt), c.echo)]
+        self.running = True
+        events: list[Event] = []
+        for g in self._groups:
+            todo = [c for c in g.choices if not c.finished]
+            if not todo:
+                continue
+            g.lead, g.forks = todo[0], todo[1:]
+            seq = self.model.new_sequence() if g.forks else None
+            events += self._add(batcher, g, g.lead, seq)
+        return events
+
+    def _add(self, batcher, g: _Group, c: _Choice, seq) -> list[Event]:
+        constraint = self.constraint.copy() if self.constraint is not None else None
         try:
-            chunk = next(c.gen)
-        except StopIteration:  # the last chunk carried the finish reason
-            return self._finish(FINISH_REASONS.get(c.stats.finish_reason, "length"))
-        now = time.perf_counter()
-        if chunk.tokens:
-            c.first_at = c.first_at or now
-            c.last_at = now
-        return [Piece(c.index, str(chunk), chunk.tokens, self._logprobs(chunk))]
+            c.req = batcher.add(g.prompt, seq=seq, constraint=constraint, **c.sampling)
+        except BaseException:
+            if seq is not None:
+                seq.release()
+            raise
+        c.seq = seq
+        c.skip = c.delivered
+        if c.started:
+            return []
+        c.started = True
+        return [Started(c.index, len(g.prompt), g.echo)]
 
-    def stop(self, finish_reason: str | None) -> list[Event]:
-        """End every choice now (a disconnect, or the server shutting down).
+    def advance(self, batcher) -> list[Event]:
+        """After a step: the new text of every choice, forks of prompts just processed, and
+        the end of finished choices.
 
-        Args:
-            finish_reason: what the current choice reports, or None for no events (the
-                client is gone).
+        Raises:
+            Exception: a choice's error (the caller ends the whole request).
         """
         events: list[Event] = []
-        if self._choices and self._choices[0].gen is not None:
-            events = self._finish(finish_reason or "length")
-        self._choices.clear()
-        return events if finish_reason else []
-
-    def _finish(self, finish_reason: str) -> list[Event]:
-        c = self._choices.popleft()
-        c.gen.close()
-        s = c.stats
-        usage = Usage(s.prompt_tokens, s.cached_tokens, s.generated_tokens)
-        ttft = c.first_at - self.submitted if c.first_at is not None and c.index == 0 else None
-        tpot = ((c.last_at - c.first_at) / (s.generated_tokens - 1)
-                if c.first_at is not None and s.generated_tokens > 1 else None)
-        self.metrics.record(RequestRecord(
-            usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, ttft, tpot,
-            s.draft_tokens, s.accepted_tokens, s.decode_passes,
-            s.plain_seconds / s.plain_passes if s.plain_passes else 0.0, s.generate_seconds))
-        events: list[Event] = [Finished(c.index, finish_reason, usage)]
-        if not self._choices:
+        for g in self._groups:
+            lead = g.lead
+            if g.forks and lead.req is not None and lead.req.decoding.prompted:
+                # The lead's sequence holds the prompt and nothing more yet: each other
+                # choice shares its blocks (copy-on-write) and reruns only the last token.
+                forks, g.forks = g.forks, []
+                for c in forks:
+                    events += self._add(batcher, g, c, lead.seq.fork())
+            for c in g.choices:
+                if c.req is not None and not c.finished:
+                    events += self._take(c)
+        if self.done:
             events.append(Done())
         return events
+
+    def _take(self, c: _Choice) -> list[Event]:
+        r = c.req
+        events: list[Event] = []
+        while r.chunks:
+            chunk = r.chunks.popleft()
+            if c.skip:   # already delivered before a preemption: the rerun is identical
+                c.skip -= 1
+                continue
+            c.delivered += 1
+            if chunk.tokens:
+                now = time.perf_counter()
+                c.first_at = c.first_at or now
+                c.last_at = now
+            events.append(Piece(c.index, str(chunk), chunk.tokens, self._logprobs(chunk)))
+        if r.error is not None:
+            raise r.error
+        if r.done:
+            events += self._finish(c, FINISH_REASONS.get(r.stats.finish_reason, "length"))
+        return events
+
+    def _finish(self, c: _Choice, finish_reason: str) -> list[Event]:
+        c.finished = True
+        if c.seq is not None:
+            c.seq.release()
+            c.seq = None
+        s = c.req.stats if c.req is not None else None
+        usage = Usage(s.prompt_tokens, s.cached_tokens, s.generated_tokens) if s else Usage()
+        ttft = c.first_at - self.submitted if c.first_at is not None and c.index == 0 else None
+        tpot = ((c.last_at - c.first_at) / (usage.completion_tokens - 1)
+                if c.first_at is not None and usage.completion_tokens > 1 else None)
+        spec = (s.draft_tokens, s.accepted_tokens, s.decode_passes,
+                s.plain_seconds / s.plain_passes if s.plain_passes else 0.0,
+                s.generate_seconds) if s else ()
+        self.metrics.record(RequestRecord(usage.prompt_tokens, usage.cached_tokens,
+                                          usage.completion_tokens, ttft, tpot, *spec))
+        return [Finished(c.index, finish_reason, usage)]
+
+    def _release(self, batcher, pin_seeds: bool) -> None:
+        for g in self._groups:
+            g.forks = []
+            for c in g.choices:
+                if c.finished:
+                    continue
+                if c.req is not None:
+                    if pin_seeds and c.sampling.get("seed") is None:
+                        c.sampling["seed"] = c.req.stats.seed   # the rerun draws the same
+                    batcher.cancel(c.req)
+                    if pin_seeds:
+                        c.req = None
+                if c.seq is not None:
+                    c.seq.release()
+                    c.seq = None
+        self.running = False
+
+    def cancel(self, batcher) -> None:
+        """The client has gone: stop every choice now, without events."""
+        self._release(batcher, pin_seeds=False)
+        for g in self._groups:
+            for c in g.choices:
+                if not c.finished and c.req is not None:
+                    self._finish(c, "length")   # counted in the metrics; nobody reads events
+                c.finished = True
+
+    def preempt(self, batcher) -> None:
+        """Give the KV blocks back to let older requests go on; ``start`` later reruns the
+        unfinished choices from their prompts with the same seeds, which gives the same
+        tokens again (the kernels are batch-invariant), and skips what was delivered."""
+        self._release(batcher, pin_seeds=True)
+
+    def stop(self, batcher, finish_reason: str) -> list[Event]:
+        """End every choice now (the server is shutting down), each with a final event."""
+        self._release(batcher, pin_seeds=False)
+        events: list[Event] = []
+        for g in self._groups:
+            for c in g.choices:
+                if c.finished:
+                    continue
+                if not c.started:
+                    c.started = True
+                    events.append(Started(c.index, len(g.prompt), g.echo))
+                events += self._finish(c, finish_reason)
+        return events + [Done()]
 
     def _logprobs(self, chunk) -> list[TokenLogprob] | None:
         if not self.spec.logprobs:
@@ -254,3 +380,4 @@ class JobRun:
         """A token's text (bytes of an unfinished character escaped) and its bytes."""
         piece = self.model.tokenizer.token_to_piece(token)
         return piece.decode("utf-8", errors="backslashreplace"), list(piece)
+

@@ -1,5 +1,6 @@
 """One worker thread owns the model: it loads it, admits requests from a bounded FIFO queue,
-advances them a chunk at a time, and hands events back to the event loop."""
+steps every running request together (continuous batching), and hands events back to the
+event loop. The kernels release the GIL, so the loop keeps serving while a step runs."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from typing import Any, Callable
 
 from .errors import APIError, busy
 from .metrics import Gauges, Metrics
-from .runs import Done, Event, Failed, GenerationSpec, JobRun
+from ..batching import Batcher
+from .constraints import Constraints
+from .runs import Event, Failed, GenerationSpec, JobRun
 
 log = logging.getLogger("localllm.server")
 
 @dataclass
 class Limits:
-    parallel: int = 1       # requests generated together, each on its own sequence
+    parallel: int = 1       # requests generated together (each with its n choices)
     max_queue: int = 16     # requests waiting beyond those; past that, 503
 
 
@@ -36,12 +39,18 @@ class Job:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._scheduler = scheduler
 
-    def emit(self, event: Event) -> None:
-        """Called on the worker thread."""
+    def emit(self, events: list[Event]) -> None:
+        """Called on the worker thread (one wake-up of the loop for a step's events)."""
+        if not events:
+            return
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._put, events)
         except RuntimeError:  # the loop has closed: nobody is listening any more
             pass
+
+    def _put(self, events: list[Event]) -> None:
+        for ev in events:
+            self._events.put_nowait(ev)
 
     async def next_event(self) -> Event:
         return await self._events.get()
@@ -94,6 +103,8 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._calls: deque[_Call] = deque()
+        self.batcher: Batcher | None = None
+        self.constraints = Constraints()
         self._thread = threading.Thread(target=self._main, name="localllm-worker", daemon=True)
 
     # ---- the event loop's side ------------------------------------------------------
@@ -103,7 +114,6 @@ class Scheduler:
 
     @property
     def slots(self) -> int:
-        # Each generation owns its Sequence, so generations interleave a token at a time.
         return max(1, self.limits.parallel)
 
     def _refuse_unless_ready(self) -> None:
@@ -142,6 +152,7 @@ class Scheduler:
         return await future
 
     def cancel(self, job: Job) -> None:
+        """Forget a waiting job now; a running one stops before the next step."""
         with self._cond:
             job.cancelled.set()
             if job in self._waiting:
@@ -181,6 +192,7 @@ class Scheduler:
                 self._on_load_failure(self.error)
             return
         self.model = model
+        self.batcher = Batcher(model)
         with self._cond:
             if self.state == "loading":
                 self.state = "ready"
@@ -189,34 +201,93 @@ class Scheduler:
         self.state = "stopped"
 
     def _turn(self) -> bool:
-        """One pass of the worker: short calls, admissions, one step of each active job.
-        Returns False once the server is stopping and every job has been ended."""
+        """One pass of the worker: short calls, cancellations, admissions, then one step of
+        every running request together. Returns False once the server is stopping and every
+        request has been ended."""
         with self._cond:
             while not (self._calls or self._waiting or self._active or self.state == "stopping"):
                 self._cond.wait()
             calls, self._calls = list(self._calls), deque()
             stopping = self.state == "stopping"
+            waiting = []
             if stopping:
                 waiting, self._waiting = list(self._waiting), deque()
-            else:
-                waiting = []
-                while self._waiting and len(self._active) < self.slots:
-                    self._active.append(self._waiting.popleft())
             active = list(self._active)
         for c in calls:
             self._run_call(c)
         if stopping:
-            for job in active:
-                if job.run is None:
-                    waiting.append(job)
+            for job in active + waiting:
+                if job.run is not None and job.run.started:
+                    self._end(job)
                 else:
-                    self._end(job, "length")  # cut short by a limit the server set
-            for job in waiting:
-                self._fail(job, APIError(503, "the server is shutting down", "server_unavailable"))
+                    self._fail(job, APIError(503, "the server is shutting down",
+                                             "server_unavailable"))
             return False
         for job in active:
-            self._step(job)
+            if job.cancelled.is_set():   # the client left: its blocks go back now
+                self._drop(job)
+        self._admit()
+        self._make_room()
+        if self.batcher.active:
+            self.batcher.step()
+        for job in list(self._active):
+            self._advance(job)
         return True
+
+    def _admit(self) -> None:
+        """Start waiting requests in arrival order while there are slots, and KV room for
+        their prompts (the first always starts when nothing else runs)."""
+        while True:
+            with self._cond:
+                if not self._waiting or len(self._active) >= self.slots:
+                    return
+                job = self._waiting.popleft()
+                self._active.append(job)
+            try:
+                if job.run is None:
+                    job.run = JobRun(self.model, job.spec, self.metrics, job.submitted,
+                                     self._constraint(job.spec))
+                if len(self._active) > 1 and self._free_blocks() < job.run.blocks_needed(
+                        self._block_size()):
+                    self._requeue(job)
+                    return
+                job.emit(job.run.start(self.batcher))
+            except Exception as e:  # noqa: BLE001 - the request fails, never the worker
+                self._fail(job, _request_error(e))
+
+    def _constraint(self, spec):
+        return self.constraints.get(self.model, spec.output) if spec.output else None
+
+    def _make_room(self) -> None:
+        """Before a step: if its KV blocks might not be free, give the youngest requests'
+        back (preemption) until they are, so that a full pool never fails a step."""
+        while len(self._active) > 1 and self._free_blocks() < self._step_blocks():
+            job = self._active[-1]
+            job.run.preempt(self.batcher)
+            self.metrics.preempted()
+            self._requeue(job)
+
+    def _step_blocks(self) -> int:
+        """Most KV blocks the next step can take: one per decoding request, the prompt
+        chunks' within the token budget."""
+        b, bs = self.batcher, self._block_size()
+        decoding = sum(1 for r in b.active if r.decoding.prompted)
+        prompts = [len(r.decoding.decoder.pending) for r in b.active if not r.decoding.prompted]
+        chunk = min(sum(prompts), max(0, b.token_budget - decoding))
+        return decoding + -(-chunk // bs) + len(prompts)
+
+    def _free_blocks(self) -> int:
+        return min(g.free for g in self.model.kv_stats().groups)
+
+    def _block_size(self) -> int:
+        return self.model.settings.kv_block_size
+
+    def _requeue(self, job: Job) -> None:
+        """Back to the head of the queue: it arrived before every request waiting there."""
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)
+            self._waiting.appendleft(job)
 
     def _run_call(self, c: _Call) -> None:
         try:
@@ -230,46 +301,45 @@ class Scheduler:
             _deliver(c.loop, c.future,
                      error=APIError(500, "internal server error", "internal_error"))
 
-    def _step(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self._end(job, None)
+    def _advance(self, job: Job) -> None:
+        if not job.run.running:
             return
         try:
-            if job.run is None:
-                job.run = JobRun(self.model, job.spec, self.metrics, job.submitted)
-            events = job.run.step()
-        except APIError as e:
-            self._fail(job, e)
+            events = job.run.advance(self.batcher)
+        except Exception as e:  # noqa: BLE001
+            self._fail(job, _request_error(e))
             return
-        except ValueError as e:  # the engine's word on a request it cannot serve
-            self._fail(job, APIError(400, (str(e).splitlines() or ["invalid request"])[0],
-                                     "invalid_value"))
-            return
-        except Exception:  # noqa: BLE001
-            log.exception("internal error while generating")
-            self._fail(job, APIError(500, "internal server error", "internal_error"))
-            return
-        for ev in events:
-            job.emit(ev)
+        job.emit(events)
         if job.run.done:
             self._remove(job)
 
-    def _end(self, job: Job, finish_reason: str | None) -> None:
-        """Stop a job's generation now, with final events unless its client is gone."""
-        events = job.run.stop(finish_reason) if job.run is not None else []
-        if finish_reason is not None and not any(isinstance(ev, Done) for ev in events):
-            events.append(Done())
-        for ev in events:
-            job.emit(ev)
+    def _end(self, job: Job) -> None:
+        """Stop a job's generation now, with final events (cut short by the server)."""
+        job.emit(job.run.stop(self.batcher, "length"))
+        self._remove(job)
+
+    def _drop(self, job: Job) -> None:
+        if job.run is not None:
+            job.run.cancel(self.batcher)
         self._remove(job)
 
     def _fail(self, job: Job, error: APIError) -> None:
         if job.run is not None:
-            job.run.stop(None)
-        job.emit(Failed(error))
+            job.run.cancel(self.batcher)
+        job.emit([Failed(error)])
         self._remove(job)
 
     def _remove(self, job: Job) -> None:
         with self._cond:
             if job in self._active:
                 self._active.remove(job)
+
+
+def _request_error(e: BaseException) -> APIError:
+    """What a client is told when its request fails on the worker (details stay in the log)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):   # the engine's word on a request it cannot serve
+        return APIError(400, (str(e).splitlines() or ["invalid request"])[0], "invalid_value")
+    log.error("internal error while generating", exc_info=e)
+    return APIError(500, "internal server error", "internal_error")

@@ -242,11 +242,18 @@ class InputMessage(_Body):
 
 
 class TextFormat(_Body):
+    """``text.format`` of the Responses API (the schema sits beside the type there)."""
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "response"
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a format of type 'json_schema' needs a 'schema' field")
+        return self
 
 
 class TextConfig(_Body):

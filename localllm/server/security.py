@@ -1,15 +1,19 @@
 """Safe by default: loopback-only binding unless a key is set, a Host-header allowlist against
-DNS rebinding, a constant-time API key check and a request body size limit (ASGI middleware)."""
+DNS rebinding, a constant-time API key check, a request body size limit (ASGI middleware) and
+deadlines for a request's head and body (a slow client cannot hold a connection)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
 import json
 from typing import Iterable
 
+import h11
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
 
@@ -74,18 +78,21 @@ async def _send_error(send, status: int, message: str, code: str, headers=()) ->
 class GuardMiddleware:
     """Host allowlist, API key and body size limit, checked before the app sees a request."""
 
-    def __init__(self, app, hosts: HostAllowlist, api_key: str | None, max_body: int):
+    def __init__(self, app, hosts: HostAllowlist, api_key: str | None, max_body: int,
+                 body_timeout: float = 30.0):
         """Args:
             app: the ASGI app to guard.
             hosts: allowed Host headers.
             api_key: the bearer token every request but /health must carry, or None.
             max_body: largest request body in bytes.
+            body_timeout: seconds the client may pause while sending the body (408 after).
         """
         self.app = app
         self.hosts = hosts
         # Digests of equal length, so that the comparison reveals not even the key's length.
         self.key = hashlib.sha256(api_key.encode()).digest() if api_key else None
         self.max_body = max_body
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -116,23 +123,73 @@ class GuardMiddleware:
         return f"the request body exceeds {self.max_body} bytes (--max-body)"
 
     def _limited(self, receive, send):
-        """receive() that stops a chunked body once it passes the limit."""
+        """receive() that stops a chunked body once it passes the limit, and a body whose
+        next part takes longer than the body timeout to come. Once the body is whole,
+        receive() is left alone: a streaming response waits on it for the disconnect."""
         seen = 0
+        whole = False
 
         async def wrapped():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                raise BodyError(408, f"the request body did not arrive within "
+                                     f"{self.body_timeout:g} s") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
-                    raise BodyTooLarge(self._too_large())
+                    raise BodyError(413, self._too_large())
+                whole = not message.get("more_body", False)
             return message
         return wrapped
 
 
-class BodyTooLarge(HTTPException):
-    """A chunked body passed the size limit while being read (an HTTPException, which the
+class BodyError(HTTPException):
+    """A body too large or too slow, found while it is read (an HTTPException, which the
     framework lets through its body parsing unchanged)."""
 
-    def __init__(self, message: str):
-        super().__init__(413, message)
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's head: a client that
+    trickles its request line and headers (slowloris) is disconnected when it passes, so
+    idle or slow connections cannot pile up. Idle keep-alive connections already close
+    after uvicorn's keep-alive timeout."""
+
+    header_timeout: float = 10.0   # set per server by ``guarded_protocol``
+
+    def connection_made(self, transport) -> None:  # noqa: D102
+        super().connection_made(transport)
+        self._head_deadline = None
+        self._arm()
+
+    def on_response_complete(self) -> None:  # noqa: D102
+        super().on_response_complete()
+        self._arm()   # a kept-alive connection's next request gets its own deadline
+
+    def connection_lost(self, exc) -> None:  # noqa: D102
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self._head_deadline = self.loop.call_later(self.header_timeout, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_late(self) -> None:
+        self._head_deadline = None
+        # their_state leaves IDLE once a request's head is complete
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def guarded_protocol(header_timeout: float) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn's ``http`` setting, with this server's deadline."""
+    return type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": header_timeout})

@@ -21,6 +21,9 @@ class ServerSettings:
         cors_origins: browser origins allowed to call the API (none: CORS off).
         parallel: requests generated together; max_queue: requests waiting beyond them.
         max_body: largest request body in bytes; max_n: most choices a request may ask for.
+        max_connections: open connections at most (more get 503 at once).
+        request_timeout: seconds a client has to send a request's head, and at most between
+            two parts of its body (slow clients are cut off, not waited for).
         stored_responses: Responses API results kept for ``previous_response_id``.
         load: keyword arguments of ``localllm.load`` (context size, threads, KV types...).
         sampling: the default SamplingParams fields, for what a request leaves out.
@@ -38,6 +41,8 @@ class ServerSettings:
     max_queue: int = 16
     max_body: int = DEFAULT_MAX_BODY
     max_n: int = 8
+    max_connections: int = 256
+    request_timeout: float = 10.0
     stored_responses: int = 256
     load: dict = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
@@ -58,6 +63,11 @@ class ServerSettings:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_body < 1024:
             raise ValueError(f"--max-body must be at least 1 KB, got {self.max_body} bytes")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if not 0.1 <= self.request_timeout <= 3600:
+            raise ValueError(f"--request-timeout must be in 0.1..3600 seconds, "
+                             f"got {self.request_timeout:g}")
         if self.api_key is not None and (not self.api_key.strip() or len(self.api_key) > 4096):
             raise ValueError("the API key is empty or longer than 4096 characters")
         for origin in self.cors_origins:
