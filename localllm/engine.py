@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -56,6 +56,9 @@ class LoadSettings:
     ctv: str = "f16"                   # ... and of values (see KV_TYPES)
     kv_block_size: int = 16            # tokens per KV block (a multiple of 16)
     kv_pool_mb: float = 0              # KV pool limit; 0: two contexts, as memory allows
+    # Build missing compiled kernels in parallel worker processes, reporting (done, total)
+    # here (None: compile in-process on first use).
+    compile_progress: Callable[[int, int], None] | None = None
 
 
 def _check_kv_types(ctk: str, ctv: str) -> None:
@@ -79,7 +82,8 @@ def _make_backend(settings: LoadSettings):
         raise EngineError(f"unknown backend {settings.backend!r} (available: cpu)")
     from .backends.cpu import CpuBackend
     cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
-    return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
+    return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache,
+                      compile_progress=settings.compile_progress)
 
 
 def kv_bytes_per_token(args, backend, ctk: str = "f16", ctv: str = "f16",
