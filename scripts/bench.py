@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -169,8 +170,44 @@ def bench_ids(path: str, n: int) -> list[int]:
     return ids[:n]
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run_worker(python: str, engine: str, path: str, ids: list[int], threads: int, reps: int,
-               depth: int = 0, env_extra: dict | None = None) -> dict | None:
+               depth: int = 0, env_extra: dict | None = None, retries: int = 0) -> dict | None:
+    """One worker's figures, run again (up to ``retries`` times) while other processes used
+    more than 0.15 of a core during it; the result carries that share as 'others_cores'."""
+    for attempt in range(retries + 1):
+        busy0, own0, t0 = _busy_seconds(), _children_seconds(), time.perf_counter()
+        out = _run_worker_once(python, engine, path, ids, threads, reps, depth, env_extra)
+        busy1, own1, wall = _busy_seconds(), _children_seconds(), time.perf_counter() - t0
+        if out is None or busy0 is None:
+            return out
+        out["others_cores"] = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+        if out["others_cores"] <= 0.15:
+            break
+        if attempt < retries:
+            print(f"[{engine}] other processes used {out['others_cores']:.2f} cores; again",
+                  file=sys.stderr)
+            time.sleep(5)
+    return out
+
+
+def _run_worker_once(python: str, engine: str, path: str, ids: list[int], threads: int,
+                     reps: int, depth: int, env_extra: dict | None) -> dict | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
         ids_file = f.name
@@ -213,8 +250,13 @@ def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dic
             "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1", "--ignore-eos"]
     out = {}
     with tempfile.TemporaryDirectory() as cold_cache:
-        out["localllm_cold_s"] = time_command(ours, {**env, "NUMBA_CACHE_DIR": cold_cache}, 1)
-        out["localllm_warm_s"] = time_command(ours, {**env, "NUMBA_CACHE_DIR": cold_cache}, runs)
+        cold = {**env, "NUMBA_CACHE_DIR": cold_cache}
+        out["localllm_cold_s"] = time_command(ours, cold, 1)
+        # The first run leaves the fused decoder block building in the background: time the
+        # warm runs once it is built.
+        subprocess.run([sys.executable, "-m", "localllm.backends.cpu_warm", "--wait", path],
+                       env=cold, timeout=1800)
+        out["localllm_warm_s"] = time_command(ours, cold, runs)
     if llama_python:
         from localllm.chat_template import ChatTemplate
         from localllm.gguf import GGUFFile
@@ -282,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", action="store_true", help="also measure the machine's read bandwidth")
     ap.add_argument("--depth", type=int, default=0,
                     help="tokens of context already processed before each prompt and decode figure")
+    ap.add_argument("--retries", type=int, default=3,
+                    help="run a worker again, up to this many times, while other processes "
+                         "used more than 0.15 of a core during it (Linux)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -303,8 +348,10 @@ def main(argv=None) -> int:
     if llama_python is None:
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
         llama_python = sys.executable if probe.returncode == 0 else None
-    report = {"machine": {"cpu": _cpu_name(), "threads": args.threads, "python": platform.python_version(),
-                          "os": platform.platform()}, "models": {}}
+    from localllm.kernels import simd
+    report = {"machine": {"cpu": _cpu_name(), "kernel_path": simd.ISA, "threads": args.threads,
+                          "python": platform.python_version(), "os": platform.platform()},
+              "models": {}}
     if args.bandwidth:
         report["machine"]["read_gbps"] = machine_read_bandwidth()
     for name in args.models:
@@ -313,10 +360,10 @@ def main(argv=None) -> int:
         ours_runs, ref_runs = [], []
         for _ in range(args.rounds):  # alternate, so drifts in machine speed hit both
             ours_runs.append(run_worker(sys.executable, "localllm", path, ids, args.threads,
-                                        args.reps, args.depth))
+                                        args.reps, args.depth, retries=args.retries))
             if llama_python:
                 ref_runs.append(run_worker(llama_python, "llama", path, ids, args.threads,
-                                           args.reps, args.depth))
+                                           args.reps, args.depth, retries=args.retries))
         entry = {"localllm": _median_run(ours_runs), "llama_cpp": _median_run(ref_runs),
                  "rounds": args.rounds}
         if args.oneshot:
@@ -329,13 +376,17 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}; "
-          f"medians of {args.rounds} alternating round(s); context depth {args.depth}")
+    print(f"machine: {m['cpu']}, kernel path {m['kernel_path']}, {m['threads']} threads, "
+          f"Python {m['python']}; medians of {args.rounds} alternating round(s); "
+          f"context depth {args.depth}")
     if "read_gbps" in m:
         print(f"measured read bandwidth: {m['read_gbps']:.1f} GB/s")
     for name, e in report["models"].items():
         print()
         print(format_table(name, e["localllm"], e["llama_cpp"]))
+        others = [r.get("others_cores", 0.0) for r in (e["localllm"], e["llama_cpp"]) if r]
+        if others:
+            print(f"\nother processes used {max(others):.2f} cores (median of rounds) meanwhile")
         if "decode_weight_gbps" in e:
             print(f"\ndecode reads {e['localllm']['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
                   f"per token: {e['decode_weight_gbps']:.1f} GB/s achieved")
