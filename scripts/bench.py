@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -233,30 +234,57 @@ def _median_run(runs: list) -> dict | None:
     return {k: _median([r[k] for r in runs]) for k in runs[0]}
 
 
-def time_command(cmd: list[str], env: dict, runs: int) -> float:
-    times = []
+def time_command(cmd: list[str], env: dict, runs: int) -> tuple[float, str]:
+    """Median wall seconds of ``runs`` runs of a command, and the last run's stderr."""
+    times, err = [], ""
     for _ in range(runs):
         t = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         times.append(time.perf_counter() - t)
         if r.returncode != 0:
             raise RuntimeError(f"{cmd[:4]} failed: {r.stderr.strip()[-300:]}")
-    return _median(times)
+        err = r.stderr
+    return _median(times), err
+
+
+def _stat(pattern: str, text: str) -> float | None:
+    """The last number ``pattern`` (a regex with one group) finds in ``text``, or None."""
+    found = re.findall(pattern, text)
+    return float(found[-1]) if found else None
+
+
+def cold_start(path: str, threads: int, env: dict, work: str) -> dict:
+    """A first run as a new user has it: empty compile cache and no repacked weights (both
+    under ``work``), `llm run -p Hi -n 4 -v`; then the wait for the fused block it leaves
+    building. Returns wall seconds with their breakdown from the run's own statistics."""
+    env = {**env, "NUMBA_CACHE_DIR": os.path.join(work, "numba")}
+    imp = [sys.executable, "-c", "import localllm.engine, localllm.backends.cpu"]
+    out = {"import_s": time_command(imp, env, 1)[0]}
+    cmd = [sys.executable, "-m", "localllm.cli", "run", path, "-p", "Hi", "-n", "4",
+           "--threads", str(threads), "--seed", "1", "--ignore-eos", "-v",
+           "--models-dir", os.path.join(work, "models")]
+    out["first_run_s"], err = time_command(cmd, env, 1)
+    out["compile_s"] = _stat(r"first run only\): \d+/\d+, (\d+) s", err)
+    out["load_s"] = _stat(r"load: ([\d.]+) s", err)  # includes the compile
+    out["first_token_s"] = _stat(r"time to first token: ([\d.]+) s", err)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "localllm.backends.cpu_warm", "--wait", path],
+                   env=env, timeout=1800)
+    out["block_wait_s"] = time.perf_counter() - t
+    return out
 
 
 def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    ours = [sys.executable, "-m", "localllm.cli", "run", path, "-p", ONESHOT_PROMPT,
-            "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1", "--ignore-eos"]
     out = {}
-    with tempfile.TemporaryDirectory() as cold_cache:
-        cold = {**env, "NUMBA_CACHE_DIR": cold_cache}
-        out["localllm_cold_s"] = time_command(ours, cold, 1)
-        # The first run leaves the fused decoder block building in the background: time the
-        # warm runs once it is built.
-        subprocess.run([sys.executable, "-m", "localllm.backends.cpu_warm", "--wait", path],
-                       env=cold, timeout=1800)
-        out["localllm_warm_s"] = time_command(ours, cold, runs)
+    with tempfile.TemporaryDirectory() as work:
+        out["cold"] = cold_start(path, threads, env, work)
+        # The same command as llama.cpp's below, once everything of the first run is cached.
+        ours = [sys.executable, "-m", "localllm.cli", "run", path, "-p", ONESHOT_PROMPT,
+                "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1",
+                "--ignore-eos", "--models-dir", os.path.join(work, "models")]
+        warm_env = {**env, "NUMBA_CACHE_DIR": os.path.join(work, "numba")}
+        out["localllm_warm_s"] = time_command(ours, warm_env, runs)[0]
     if llama_python:
         from localllm.chat_template import ChatTemplate
         from localllm.gguf import GGUFFile
@@ -267,7 +295,7 @@ def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dic
                     if template.from_file else ONESHOT_PROMPT)
         cmd = [llama_python, __file__, "--oneshot-llama", path, "--threads", str(threads),
                "--prompt", rendered]
-        out["llama_cpp_s"] = time_command(cmd, env, runs)
+        out["llama_cpp_s"] = time_command(cmd, env, runs)[0]
     return out
 
 
@@ -320,7 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-python", default=None,
                     help="Python with llama-cpp-python (default: this one, if it imports)")
     ap.add_argument("--oneshot", action="store_true",
-                    help="also time whole `llm run -n 32` processes (cold and warm compile cache)")
+                    help="also time a first run on empty caches (with its breakdown) and warm "
+                         "`llm run -n 32` processes against llama.cpp's")
     ap.add_argument("--bandwidth", action="store_true", help="also measure the machine's read bandwidth")
     ap.add_argument("--depth", type=int, default=0,
                     help="tokens of context already processed before each prompt and decode figure")
@@ -391,12 +420,15 @@ def main(argv=None) -> int:
             print(f"\ndecode reads {e['localllm']['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
                   f"per token: {e['decode_weight_gbps']:.1f} GB/s achieved")
         if "oneshot" in e:
-            o = e["oneshot"]
-            line = (f"one-shot `llm run -n {ONESHOT_TOKENS}`: cold {o['localllm_cold_s']:.2f} s, "
-                    f"warm {o['localllm_warm_s']:.2f} s")
+            o, c = e["oneshot"], e["oneshot"]["cold"]
+            print(f"first run (empty caches, `llm run -p Hi -n 4`): {c['first_run_s']:.1f} s, of "
+                  f"which compiling {c['compile_s'] or 0:.0f} s, load {c['load_s']:.2f} s (with "
+                  f"the compile), first token {c['first_token_s']:.2f} s; importing "
+                  f"{c['import_s']:.2f} s; fused block built {c['block_wait_s']:.1f} s later")
+            line = f"one-shot `llm run -n {ONESHOT_TOKENS}`, warm: {o['localllm_warm_s']:.2f} s"
             if "llama_cpp_s" in o:
                 line += (f"; llama.cpp {o['llama_cpp_s']:.2f} s "
-                         f"(warm ratio {o['localllm_warm_s'] / o['llama_cpp_s']:.2f}x)")
+                         f"(ratio {o['localllm_warm_s'] / o['llama_cpp_s']:.2f}x)")
             print(line)
     return 0
 
