@@ -344,7 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each prompt size and of the decode run (median)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run both engines this many times, alternating, and report medians")
+                    help="run both engines this many times, alternating, and report medians "
+                         "(0 with --oneshot: only the start-up figures)")
     ap.add_argument("--llama-python", default=None,
                     help="Python with llama-cpp-python (default: this one, if it imports)")
     ap.add_argument("--oneshot", action="store_true",
@@ -412,7 +413,10 @@ def main(argv=None) -> int:
         print(f"measured read bandwidth: {m['read_gbps']:.1f} GB/s")
     for name, e in report["models"].items():
         print()
-        print(format_table(name, e["localllm"], e["llama_cpp"]))
+        if e["localllm"] or e["llama_cpp"]:
+            print(format_table(name, e["localllm"], e["llama_cpp"]))
+        else:
+            print(f"## {name}")
         others = [r.get("others_cores", 0.0) for r in (e["localllm"], e["llama_cpp"]) if r]
         if others:
             print(f"\nother processes used {max(others):.2f} cores (median of rounds) meanwhile")
