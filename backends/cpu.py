@@ -111,11 +111,15 @@ class CpuBackend:
     copies_weights = True  # matrices are repacked, so the file's pages can be dropped
 
     def __init__(self, threads: int | None = None, fused: bool = True,
-                 weight_cache: str | os.PathLike | None = None):
+                 weight_cache: str | os.PathLike | None = None, compile_progress=None):
         """Args:
             threads: kernel threads (None: Numba's default).
             fused: run decoder blocks as one kernel call (same bits as op by op).
             weight_cache: directory for repacked-weight files reused across loads (None: off).
+            compile_progress: when given, a model's kernels missing from the compile cache
+                are built by parallel worker processes before it loads, reporting (groups
+                done, groups in all) here; until its fused block is built (at low priority,
+                meanwhile) the model runs op by op. None: compile in-process on first use.
         """
         if threads:
             set_threads(threads)
@@ -128,6 +132,7 @@ class CpuBackend:
         self._tile_bytes: dict[tuple[str, int], int] = {}
         # False: blocks run op by op (models/block.py's reference composition); same bits.
         self.fused_blocks = fused
+        self._compile_progress = compile_progress
 
     # ---- memory --------------------------------------------------------------------
 
@@ -157,6 +162,10 @@ class CpuBackend:
         """Look for (or start) the repacked-weight file of the model about to be loaded."""
         if self._weight_cache is not None:
             self._store = PackedStore(self._weight_cache, gguf_path)
+        if self._compile_progress is not None:
+            from .cpu_warm import prepare
+            if not prepare(gguf_path, self._compile_progress):
+                self.fused_blocks = False
 
     def end_model(self) -> None:
         """Write the repacked-weight file if this load had to pack."""

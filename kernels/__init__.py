@@ -5,6 +5,9 @@ Numba's on-disk cache only notices edits to a kernel's own file, while these ker
 code from their neighbours (simd.py, unpack.py, ...). So compiled kernels are cached in a
 directory named by a hash of all the kernel sources: any edit here starts a fresh cache.
 Builds of other versions in the default location are removed once unused for 30 days.
+
+On arm64 the dot-product extension is taken from the OS (LLVM's host feature string omits it)
+and handed to the compiler, unless NUMBA_CPU_FEATURES already says what to build for.
 """
 
 import hashlib
@@ -14,6 +17,8 @@ import time
 from pathlib import Path
 
 from numba.core import config as _numba_config
+
+from . import hostcpu as _hostcpu
 
 
 def _source_hash() -> str:
@@ -50,3 +55,15 @@ CACHE_DIR = str(_cache_base() / _source_hash())
 if not _USER_DIR:
     _prune(_cache_base(), Path(CACHE_DIR))
 _numba_config.CACHE_DIR = CACHE_DIR
+
+
+def _host_features() -> str:
+    import llvmlite.binding as llvm
+    try:
+        return llvm.get_host_cpu_features().flatten()
+    except RuntimeError:  # no feature detection for this host in LLVM
+        return ""
+
+
+if _numba_config.CPU_FEATURES is None and _hostcpu.arm_dotprod():
+    _numba_config.CPU_FEATURES = _hostcpu.compile_features(_host_features(), True)

@@ -31,7 +31,7 @@ def act_buffers(n, K, need32, need256):
     return a32, a256
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def quantize_q8_32_row(xr, qr, dx, xs, sx):
     """Quantize one contiguous row into 32-wide blocks (see quantize_q8_32), in groups of
     16 blocks and then 8, 4, 2, 1 for the rest."""
@@ -88,7 +88,7 @@ def quantize_q8_32(x, qx, dx, xs, sx):
             quantize_q8_32_row(x[t], qx[t], dx[t], xs[t], sx[t])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def quantize_q8_256_row(xr, qr, dx, bsum):
     """Quantize one contiguous row into 256-wide blocks (see quantize_q8_256)."""
     for b in range(xr.shape[0] // 256):

@@ -26,7 +26,7 @@ from .actquant import act_buffers, quantize_q8_32, quantize_q8_256
 from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load, vi_load_i8, vi_mul,
                    vi_sll, vi_store, vi_sub, vi_zero)
-from .unpack import dot4, dot8, prefetch_chunk, unpack_chunk
+from .unpack import dot, prefetch_chunk, unpack_chunk
 from .vmath import vf_bcast
 
 TOKENS_PER_PASS = 64  # tokens that share one unpacking of a weight chunk
@@ -87,9 +87,10 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
             v = unpack_chunk(w, i)
             s = block_scales(w, i)
             for t in range(t0, t1):
-                isum = dot8(w, v, xq, t * K + b * 32)
+                o = (t * nb + b) * 4
+                isum = dot(w, v, xq, t * K + b * 32, None, vi_bcast4(xs, o))
                 ao = (t - t0) * 64
-                term = block_term(w, isum, s, dx, xs, sx, (t * nb + b) * 4)
+                term = block_term(w, isum, s, dx, xs, sx, o)
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
         for t in range(t0, t1):
             vf_store(out, (t * Np + tile * 16) * 4, vf_load(acc, (t - t0) * 64))
@@ -97,21 +98,34 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
 
 # ----------------------------------------------------------------------------- 256-wide superblocks
 
-def chunk_part(w, v, scb, xq, xo):
-    """Scaled integer sum of one 32-element chunk: sum over its sub-blocks of sc * isum."""
+def chunk_scales(w, scb):
+    """The sub-block scale vectors of one chunk-tile (from byte ``scb`` of w.sc): one per
+    16-element sub-block."""
+
+
+@overload(chunk_scales, inline="always")
+def _ol_chunk_scales(w, scb):
+    if w.instance_class in (P.PackedQ2_K, P.PackedQ3_K, P.PackedQ6_K):
+        return lambda w, scb: (vi_load_i8(w.sc, scb), vi_load_i8(w.sc, scb + 16))
+    return lambda w, scb: (vi_load_i8(w.sc, scb),)
+
+
+def chunk_part(w, v, scs, xq, xo, bsum, bo):
+    """Scaled integer sum of one 32-element chunk: sum over its sub-blocks of sc * isum (the
+    chunk's two 16-wide activation sums at byte ``bo`` of bsum)."""
 
 
 @overload(chunk_part, inline="always")
-def _ol_chunk_part(w, v, scb, xq, xo):
+def _ol_chunk_part(w, v, scs, xq, xo, bsum, bo):
     if w.instance_class in (P.PackedQ2_K, P.PackedQ3_K, P.PackedQ6_K):
-        def part16(w, v, scb, xq, xo):  # two 16-element sub-blocks per chunk
-            lo = dot4(w, v[0], v[1], v[2], v[3], xq, xo)
-            hi = dot4(w, v[4], v[5], v[6], v[7], xq, xo + 16)
-            return vi_add(vi_mul(lo, vi_load_i8(w.sc, scb)), vi_mul(hi, vi_load_i8(w.sc, scb + 16)))
+        def part16(w, v, scs, xq, xo, bsum, bo):  # two 16-element sub-blocks per chunk
+            return vi_add(dot(w, (v[0], v[1], v[2], v[3]), xq, xo, scs[0], None),
+                          dot(w, (v[4], v[5], v[6], v[7]), xq, xo + 16, scs[1], None))
         return part16
 
-    def part32(w, v, scb, xq, xo):
-        return vi_mul(dot8(w, v, xq, xo), vi_load_i8(w.sc, scb))
+    def part32(w, v, scs, xq, xo, bsum, bo):
+        xsum = vi_add(vi_bcast4(bsum, bo), vi_bcast4(bsum, bo + 4))
+        return dot(w, v, xq, xo, scs[0], xsum)
     return part32
 
 
@@ -185,9 +199,10 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
             for c in range(8):
                 prefetch_chunk(w, sbi * 8 + c + PREFETCH_AHEAD)
                 v = unpack_chunk(w, sbi * 8 + c)
-                scb = sbi * 8 * step + c * step
+                scs = chunk_scales(w, sbi * 8 * step + c * step)
                 for t in range(t0, t1):
-                    part = chunk_part(w, v, scb, xq, t * K + sb * 256 + c * 32)
+                    part = chunk_part(w, v, scs, xq, t * K + sb * 256 + c * 32,
+                                      bsum, (t * (K // 16) + sb * 16 + 2 * c) * 4)
                     io = (t - t0) * 64
                     if c == 0:
                         vi_store(iacc, io, part)
@@ -261,14 +276,16 @@ def matmul_tile(w, tile, a32, a256, x, out):
 
 @overload(matmul_tile, inline="always")
 def _ol_matmul_tile(w, tile, a32, a256, x, out):
+    # The tile index is passed on as int64 whatever its type here (prange makes it uint64):
+    # one compiled tile kernel per format rather than one per index type.
     cls = w.instance_class
     if cls in (P.PackedF32, P.PackedF16, P.PackedBF16):
-        return lambda w, tile, a32, a256, x, out: tile_float(w, tile, x, out)
+        return lambda w, tile, a32, a256, x, out: tile_float(w, np.int64(tile), x, out)
     if cls.__name__[6:] in P.SUPERBLOCK_FORMATS:
         return lambda w, tile, a32, a256, x, out: tile_superblocks(
-            w, tile, a256[0], a256[1], a256[2], out)
+            w, np.int64(tile), a256[0], a256[1], a256[2], out)
     return lambda w, tile, a32, a256, x, out: tile_blocks32(
-        w, tile, a32[0], a32[1], a32[2], a32[3], out)
+        w, np.int64(tile), a32[0], a32[1], a32[2], a32[3], out)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -37,7 +37,7 @@ def _check_same_shape(a, b):
 
 # ----------------------------------------------------------------------------- RMSNorm
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def rms_norm_row(x, w, eps, out):
     """out = x / sqrt(mean(x^2) + eps) * w for one contiguous float32 row.
 
@@ -160,7 +160,7 @@ def _rotate_pairs(v, c, s):
     return vf_add(vf_mul(v, c), vf_neg_even(vf_mul(vf_swap_pairs(v), s)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def rope_row(x, cos, sin, neox):
     """Rotate one head x (hd,) in place; the first 2 * len(cos) dims rotate.
 
@@ -236,7 +236,7 @@ def rope(x, cos, sin, neox):
 
 # ----------------------------------------------------------------------------- gated activations
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def silu_mul_row(gate, up, out):
     """out = silu(gate) * up over one row: (g / (1 + exp(-g))) * u with rowmath's exp."""
     F = gate.shape[0]
@@ -248,7 +248,7 @@ def silu_mul_row(gate, up, out):
         vf_store_n(out, 4 * i, v, F - i)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def gelu_tanh_mul_row(gate, up, out):
     """out = gelu_tanh(gate) * up over one row (see rowmath.vf_gelu_tanh)."""
     F = gate.shape[0]
@@ -260,7 +260,7 @@ def gelu_tanh_mul_row(gate, up, out):
         vf_store_n(out, 4 * i, v, F - i)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def glu_row(gate, up, out, gelu):
     """out = act(gate) * up over one row, act gelu_tanh or silu."""
     if gelu:
@@ -306,7 +306,7 @@ def gelu_tanh_mul(gate, up, out):
 
 # ----------------------------------------------------------------------------- residual add
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def add_row(x, y):
     """x += y over one row."""
     for i in range(x.shape[0]):

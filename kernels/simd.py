@@ -55,7 +55,7 @@ def select_isa(features: frozenset[str] | None = None, machine: str | None = Non
         if "avx2" in f:
             return "avx2"
     elif machine in ("arm64", "aarch64") and "dotprod" in f:
-        return "neon-dot"  # generic IR; LLVM's AArch64 backend forms sdot/udot from it
+        return "neon-dot"  # sdot through its LLVM intrinsic (see dot.py)
     return "generic"
 
 
@@ -427,6 +427,15 @@ def vi_lut16(typingctx, table, idx):
                 parts.append(_call(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32], [tt, ii]))
             r = builder.shuffle_vector(parts[0], parts[1],
                                        ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+        elif ISA == "neon-dot":  # tbl per 128 bits (indices 0..15 never reach its zero case)
+            parts = []
+            for q in range(4):
+                sel = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * q, 16 * q + 16)))
+                parts.append(_call(builder, "llvm.aarch64.neon.tbl1.v16i8", _V16I8,
+                                   [_V16I8, _V16I8], [builder.shuffle_vector(t8, t8, sel),
+                                                      builder.shuffle_vector(i8, i8, sel)]))
+            r = _concat(builder, _concat(builder, parts[0], parts[1], 32),
+                        _concat(builder, parts[2], parts[3], 32), 64)
         else:
             # Portable: a chain of selects over the 16 table entries.
             r = ir.Constant(_V64I8, None)

@@ -11,8 +11,8 @@ from numba import njit
 from numba.extending import overload
 
 from . import packing as P
-from .simd import (prefetch, vi_add, vi_and, vi_bcast4, vi_dpbusd, vi_dpbusd_narrow, vi_load,
-                   vi_lut16, vi_or, vi_sll, vi_splat, vi_srl, vi_zero)
+from .dot import dot_intrinsic
+from .simd import prefetch, vi_and, vi_load, vi_lut16, vi_or, vi_sll, vi_splat, vi_srl
 
 M01 = 0x01010101
 M03 = 0x03030303
@@ -91,34 +91,23 @@ def lookup(v8, lut):
             vi_lut16(t, v8[4]), vi_lut16(t, v8[5]), vi_lut16(t, v8[6]), vi_lut16(t, v8[7]))
 
 
-def dpbusd(w, acc, a, b):
-    """vi_dpbusd for the weight bytes of ``w``'s format (its narrow form where they fit)."""
+# The largest byte each format's unpacked chunk holds (values plus the stored offset): it
+# bounds how the AVX2 dot products may sum in int16.
+MAX_BYTE = {P.PackedQ4_0: 15, P.PackedQ4_1: 15, P.PackedQ4_K: 15, P.PackedQ5_0: 31,
+            P.PackedQ5_1: 31, P.PackedQ5_K: 31, P.PackedQ6_K: 63, P.PackedQ2_K: 3,
+            P.PackedQ3_K: 7, P.PackedQ8_0: 255, P.PackedIQ4_NL: 255, P.PackedIQ4_XS: 255}
 
 
-@overload(dpbusd, inline="always")
-def _ol_dpbusd(w, acc, a, b):
-    # Q8_0 (stored as w+128) and the IQ4 tables reach past 64; every other format's unpacked
-    # values are at most 63 (Q6_K), so the AVX2 path may use its saturating multiply-add.
-    if getattr(w, "instance_class", None) in (P.PackedQ8_0, P.PackedIQ4_NL, P.PackedIQ4_XS):
-        return lambda w, acc, a, b: vi_dpbusd(acc, a, b)
-    return lambda w, acc, a, b: vi_dpbusd_narrow(acc, a, b)
+def dot(w, v, xq, xo, sc, xsum):
+    """Per row: sc * (sum over the vectors ``v`` (a tuple) of weight bytes times the int8
+    activations from ``xq[xo:]``), exact; ``sc`` a VI of row scales or None; ``xsum`` the
+    activation bytes' sum broadcast (read by formats with bytes above 127), or None."""
 
 
-@njit(inline="always")
-def dot4(w, v0, v1, v2, v3, xq, xo):
-    """Per-lane sum over 16 elements: u8 weight bytes times int8 activations at ``xq[xo:]``."""
-    acc = dpbusd(w, vi_zero(), v0, vi_bcast4(xq, xo))
-    acc = dpbusd(w, acc, v1, vi_bcast4(xq, xo + 4))
-    acc = dpbusd(w, acc, v2, vi_bcast4(xq, xo + 8))
-    return dpbusd(w, acc, v3, vi_bcast4(xq, xo + 12))
-
-
-@njit(inline="always")
-def dot8(w, v8, xq, xo):
-    """Per-lane sum over the 32 elements of a chunk (exact int32). Two independent chains
-    halve the dependency latency (integer sums: the grouping cannot change the result)."""
-    return vi_add(dot4(w, v8[0], v8[1], v8[2], v8[3], xq, xo),
-                  dot4(w, v8[4], v8[5], v8[6], v8[7], xq, xo + 16))
+@overload(dot, inline="always")
+def _ol_dot(w, v, xq, xo, sc, xsum):
+    f = dot_intrinsic(v.count, MAX_BYTE[w.instance_class])
+    return lambda w, v, xq, xo, sc, xsum: f(v, xq, xo, sc, xsum)
 
 
 def unpack_chunk(w, ct):

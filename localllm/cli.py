@@ -259,6 +259,27 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
+class _CompileLine:
+    """The stderr line shown while a first run compiles kernels: rewritten in place with the
+    elapsed time on a terminal, one line per finished group otherwise."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.shown = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == total == self.shown:
+            return
+        text = (f"compiling kernels for this CPU (first run only): {done}/{total}, "
+                f"{time.perf_counter() - self.start:.0f} s")
+        if sys.stderr.isatty():
+            sys.stderr.write("\r" + text + ("\n" if done == total else ""))
+        elif done != self.shown:
+            sys.stderr.write(text + "\n")
+        self.shown = done
+        sys.stderr.flush()
+
+
 def cmd_run(args) -> int:
     from .engine import load
     prompt = _read_prompt(args)
@@ -267,7 +288,7 @@ def cmd_run(args) -> int:
     SamplingParams(**sampling).validate()
     settings = _model_settings(args) | _speculative_settings(args)
     t0 = time.perf_counter()
-    model = load(args.model, **settings)
+    model = load(args.model, **settings, compile_progress=_CompileLine())
     load_s = time.perf_counter() - t0
     # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
@@ -403,8 +424,12 @@ def cmd_chat(args) -> int:
 # ----------------------------------------------------------------------------- pull / list / inspect
 
 def cmd_pull(args) -> int:
+    from .engine import load
     from .fetch import fetch
-    print(fetch(args.name, args.models_dir))
+    path = fetch(args.name, args.models_dir)
+    # Build its kernels and repacked weights now, so that its first run starts at once.
+    load(path, models_dir=args.models_dir, compile_progress=_CompileLine()).close()
+    print(path)
     return 0
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -62,6 +62,10 @@ class LoadSettings:
     draft: str | None = None           # a draft model (path or known name) to speculate with
     draft_max: int = 8                 # the draft model drafts up to this many tokens
 
+    # Build missing compiled kernels in parallel worker processes, reporting (done, total)
+    # here (None: compile in-process on first use).
+    compile_progress: Callable[[int, int], None] | None = None
+
 
 def _check_speculation(s: LoadSettings) -> None:
     if not 0 <= s.lookup <= MAX_DRAFT:
@@ -89,7 +93,8 @@ def physical_cores() -> int:
 def _make_cpu_backend(settings: LoadSettings):
     from .backends.cpu import CpuBackend
     cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
-    return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
+    return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache,
+                      compile_progress=settings.compile_progress)
 
 
 def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:

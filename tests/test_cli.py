@@ -23,7 +23,9 @@ def test_run_default_model_answers(smollm_path):
     r = llm("run", "-p", "What is the capital of France?", "-n", "12", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()  # (greedy, this 135M model names landmarks; llama.cpp's does too)
-    assert r.stderr == ""
+    # nothing on stderr but, on a first run, the kernel compile progress line
+    assert all(line.startswith("compiling kernels for this CPU (first run only): ")
+               for line in r.stderr.splitlines()), r.stderr
 
 
 def test_run_gemma_by_name(gemma_path):

@@ -20,7 +20,7 @@ import pytest
 from numba.core import config
 
 import kernel_data
-from localllm.kernels import simd
+from localllm.kernels import hostcpu, simd
 
 _X86_BASE = "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt,+sse4.2,+ssse3,+sse4.1"
 
@@ -187,3 +187,33 @@ def test_target_features_follow_numba_setting(monkeypatch):
 def test_module_isa_matches_target():
     assert simd.ISA == simd.select_isa()
     assert simd.ISA in ("avx512vnni", "avxvnni", "avx2", "neon-dot", "generic")
+
+
+# ----------------------------------------------------------------------------- arm64 dot product
+
+_A76_CPUINFO = """processor\t: 0
+BogoMIPS\t: 108.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp
+CPU implementer\t: 0x41
+"""
+_A72_CPUINFO = _A76_CPUINFO.replace(" asimddp", "").replace("asimdrdm lrcpc dcpop", "")
+
+
+@pytest.mark.parametrize("machine,cpuinfo,want", [
+    ("aarch64", _A76_CPUINFO, True),
+    ("aarch64", _A72_CPUINFO, False),
+    ("aarch64", "", False),
+    ("x86_64", _A76_CPUINFO, False),  # only arm64 asks
+])
+def test_arm_dotprod_from_linux_cpuinfo(machine, cpuinfo, want):
+    assert hostcpu.arm_dotprod(machine, "Linux", cpuinfo) is want
+
+
+def test_compile_features_add_dotprod_only_where_missing():
+    assert hostcpu.compile_features("+neon,+fp-armv8", True) == "+neon,+fp-armv8,+dotprod"
+    assert hostcpu.compile_features("+neon,-dotprod", True) == "+neon,+dotprod"
+    assert hostcpu.compile_features("+neon,+dotprod", True) is None
+    assert hostcpu.compile_features("+neon", False) is None
+    # The string the kernels then compile for selects the dot-product path.
+    feats = frozenset(f[1:] for f in hostcpu.compile_features("+neon", True).split(","))
+    assert simd.select_isa(feats, "aarch64") == "neon-dot"
