@@ -163,3 +163,39 @@ def test_import_keeps_file_order_of_parents():
     conv = Store(":memory:").import_conversation(from_json(json.loads(json.dumps(data))))
     assert [m.content for m in conv.path()] == ["a", "b"]
     assert isinstance(conv.path()[0], Message)
+
+
+_FULL_DISK_CHILD = """
+import os, resource, signal, sys
+from localllm.tui.store import Store, StoreError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+path = sys.argv[1]
+store = Store(path)
+conv = store.load(int(sys.argv[2]))
+size = max(os.path.getsize(path + x) for x in ("", "-wal") if os.path.exists(path + x))
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 8192, size + 8192))
+try:
+    store.add_message(conv, conv.path()[-1].id, "user", "x" * (1 << 20))
+except StoreError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def test_a_full_disk_while_writing_the_chat_keeps_the_previous_state(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "chat.db"
+    store = Store(path)
+    conv, *_ = branching(store)
+    before = [(m.role, m.content) for m in store.load(conv.id).path()]
+    store.close()
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(path), str(conv.id)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "could not be written" in r.stdout and "nothing of this change" in r.stdout
+    assert len(r.stdout.strip().splitlines()) == 1
+    again = Store(path)
+    assert [(m.role, m.content) for m in again.load(conv.id).path()] == before
+    msg = again.add_message(again.load(conv.id), None, "user", "after the disk has room")
+    assert msg.id > 0

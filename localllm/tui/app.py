@@ -19,7 +19,7 @@ from .events import (ContextFull, Counted, EngineFailed, Loaded, ReplyChunk, Rep
                      ReplyRequest, ReplyStarted)
 from .handlers import ChatCommands
 from .keys import driver_for
-from .store import Store
+from .store import Store, StoreError
 from .tree import Conversation, Message
 from .widgets import MessageView, NoteView, PromptInput, StatusBar
 
@@ -359,11 +359,15 @@ class ChatApp(ChatCommands, App):
         if view is not None:
             await view.end_stream()
         if reply.text or reply.stats.finish_reason != "cancelled":
-            msg = self.store.add_message(self.conv, event.parent_id, "assistant", reply.text,
-                                         reply.stats.as_meta())
-            if view is not None:
-                view.message = msg
-                self.refresh_header(view)
+            try:
+                msg = self.store.add_message(self.conv, event.parent_id, "assistant",
+                                             reply.text, reply.stats.as_meta())
+            except StoreError as e:  # e.g. a full disk: the reply stays on screen only
+                await self.note(f"{e}: this reply is shown but not stored.", error=True)
+            else:
+                if view is not None:
+                    view.message = msg
+                    self.refresh_header(view)
         elif view is not None:
             await view.remove()
             await self.note("Stopped before any text was written; /regen tries again.")

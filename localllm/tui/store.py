@@ -218,5 +218,17 @@ class _Transaction:
         self.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type, exc, tb):
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        try:
+            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        except sqlite3.DatabaseError as e:  # a COMMIT that cannot be written (a full disk)
+            if exc_type is None:
+                try:
+                    self.db.execute("ROLLBACK")
+                except sqlite3.DatabaseError:
+                    pass  # no transaction left open
+                exc_type, exc = type(e), e
+        if exc_type is not None and issubclass(exc_type, sqlite3.DatabaseError):
+            # The transaction is rolled back: the database keeps its previous state.
+            raise StoreError(f"the chat database could not be written ({exc}); "
+                             "nothing of this change was saved") from None
         return False
