@@ -7,6 +7,7 @@ from the file's tensor table before anything is allocated.
 from __future__ import annotations
 
 import importlib.util
+import platform
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +60,12 @@ def resolve_backend(name: str) -> str:
             from .backends.torch import cuda_available
             if cuda_available():
                 return "torch"
-        if importlib.util.find_spec("mlx") is not None:
-            from .backends.mlx import metal_available, on_apple_silicon
-            if on_apple_silicon() and metal_available():
+        # Importing MLX starts its threads (and costs decode speed) even where it has no GPU:
+        # only on Apple Silicon is it worth asking.
+        if (platform.system() == "Darwin" and platform.machine() == "arm64"
+                and importlib.util.find_spec("mlx") is not None):
+            from .backends.mlx import metal_available
+            if metal_available():
                 return "mlx"
         return "cpu"
     extra = {"torch": "torch", "mlx": "mlx"}.get(name)
