@@ -1,12 +1,12 @@
 """Builds small GGUF files byte by byte, valid and hostile, for the reader's tests.
 
 Each hostile case returns the file's bytes with the field and byte offset the reader must
-name in its GGUFError; offsets come from the builder's own layout bookkeeping. Run as a
-script, it writes them as the committed regression corpus (tests/fixtures/hostile/)."""
+name in its GGUFError; offsets come from the builder's own layout bookkeeping. Together
+they are the regression corpus, written afresh by the tests (a file the fuzzer finds
+becomes a builder here, so no model file is committed)."""
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Callable
@@ -391,23 +391,18 @@ HOSTILE: dict[str, Callable[[], Case]] = {
 }
 
 
-# ---- the committed regression corpus ------------------------------------------------
+# ---- the regression corpus ----------------------------------------------------------
 
-CORPUS = Path(__file__).parent / "fixtures" / "hostile"
+def write_corpus(directory: Path) -> dict:
+    """Writes one file per hostile case into ``directory``.
 
-
-def write_corpus(directory: Path = CORPUS) -> None:
-    """Writes one file per hostile case and records its expected field and offset in
-    manifest.json, keeping entries for files the fuzzer found (which no code builds)."""
+    Returns:
+        {case name: {"field": ..., "offset": ...}}, what each file's GGUFError must name.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    manifest_path = directory / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    expected = {}
     for name, case in HOSTILE.items():
         data, field, offset = case()
         (directory / f"{name}.gguf").write_bytes(data)
-        manifest[name] = {"field": field, "offset": offset, "source": "gguf_hostile"}
-    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    write_corpus()
+        expected[name] = {"field": field, "offset": offset}
+    return expected
