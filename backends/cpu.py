@@ -253,8 +253,14 @@ class CpuBackend:
         return pages
 
     def copy_kv_block(self, pages: KVPages, src: int, dst: int) -> None:
+        n_kv = pages.layout.n_kv_heads
         for arr, nb in ((pages.K.a, pages.k_block), (pages.V.a, pages.v_block)):
-            arr[dst * nb:(dst + 1) * nb] = arr[src * nb:(src + 1) * nb]
+            per = nb // n_kv  # a block's bytes of one head: heads are laid out apart
+            n_blocks = (arr.size - kvpages.PAD) // nb
+            for h in range(n_kv):
+                a = (h * n_blocks + src) * per
+                b = (h * n_blocks + dst) * per
+                arr[b:b + per] = arr[a:a + per]
 
     def _paged(self, kv: LayerKV) -> attn_k.PagedKV:
         p = kv.pages

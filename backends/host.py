@@ -55,8 +55,10 @@ def hadamard(x, stack):
 
 @njit(cache=True)
 def _q4_0_rows(x, codes, bits):
+    tmp = np.empty(64, np.int32)  # _q4_block's quants and scratch
     for r in range(x.shape[0]):
-        bits[r] = _q4_block(x[r], codes[r])
+        bits[r] = _q4_block(x[r], tmp)
+        codes[r] = tmp[:32]
 
 
 def q4_0_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

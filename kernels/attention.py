@@ -40,6 +40,8 @@ _RUNS = 48
 # about _SPLIT_UNITS pieces (decode and short verification batches).
 _MIN_ITEMS = 4
 _SPLIT_UNITS = 8
+# Tokens per work unit of kv_write.
+_WRITE_RUN = 16
 
 
 @njit(cache=True)
@@ -75,7 +77,8 @@ def n_pages(K, V, bs, n_kv, hd):
 @njit(cache=True)
 def _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, need_all):
     """Every token's page (need_all: and every page its attention reads) is a valid page of
-    the layer; raises ValueError otherwise, before anything is read or written."""
+    the layer; raises ValueError otherwise, before anything is read or written. Returns the
+    layer's page count."""
     npg = n_pages(K, V, bs, n_kv, hd)
     gpp = bs // 16
     if npg < 0 or positions.shape[0] != row_seq.shape[0]:
@@ -92,6 +95,7 @@ def _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, need_all
             page = tables[s, b // gpp]
             if page < 0 or page >= npg:
                 raise ValueError("paged KV: a block the attention needs is not held")
+    return npg
 
 
 @njit(cache=True, parallel=True)
@@ -106,24 +110,29 @@ def kv_write(K, V, tables, row_seq, bs, k, v, positions):
     n, n_kv, hd = k.shape
     if not (_check_c3(k, n, n_kv, hd) and _check_c3(v, n, n_kv, hd)):
         raise ValueError("kv_write: shapes or layouts do not match")
-    _check_rows(K, V, tables, row_seq, bs, n_kv, positions, 0, hd, False)
+    npg = _check_rows(K, V, tables, row_seq, bs, n_kv, positions, 0, hd, False)
     gpp = bs // 16
     gb = group_nbytes(K, hd)
     rb = row_nbytes(V, hd)
-    for h in prange(n_kv):
-        tmp = np.empty(32, np.int32)
-        for t in range(n):
+    # Work units: a KV head's runs of _WRITE_RUN tokens (a prompt chunk's rounding would
+    # otherwise wait on the thread holding two of three heads).
+    runs = (n + _WRITE_RUN - 1) // _WRITE_RUN
+    for u in prange(n_kv * runs):
+        h = u % n_kv
+        t0 = u // n_kv * _WRITE_RUN
+        tmp = np.empty(max(64, hd), np.int32)  # the stores' scratch
+        for t in range(t0, min(n, t0 + _WRITE_RUN)):
             p = positions[t]
             page = tables[row_seq[t], p // bs]
             slot = p % bs
-            store_key(K, ((page * n_kv + h) * gpp + slot // 16) * gb, slot % 16, hd, k[t, h],
+            store_key(K, ((h * npg + page) * gpp + slot // 16) * gb, slot % 16, hd, k[t, h],
                       tmp)
-            store_value(V, ((page * n_kv + h) * bs + slot) * rb, hd, v[t, h], tmp)
+            store_value(V, ((h * npg + page) * bs + slot) * rb, hd, v[t, h], tmp)
 
 
 @njit(cache=True)
-def _item(q, K, V, trow, bs, n_kv, positions, window, c, out, t0, t1, kvh, c0, c1, split, P,
-          PmPl):
+def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, out, t0, t1, kvh, c0, c1, split,
+          P, PmPl):
     """Attention of tokens t0..t1-1 (one sequence, block table ``trow``) for the query heads
     of KV head kvh, over key chunks c0..c1. Not split: the whole result into ``out``. Split:
     per-chunk partials into P (n * H, chunks, hd) and PmPl (2, n * H, chunks) (chunk maxima
@@ -156,7 +165,7 @@ def _item(q, K, V, trow, bs, n_kv, positions, window, c, out, t0, t1, kvh, c0, c
     nb = bmax - bmin + 1
     ad = np.empty(2 * nb, np.int64)
     for b in range(bmin, bmax + 1):
-        ph = trow[b // gpp] * n_kv + kvh
+        ph = kvh * npg + trow[b // gpp]
         ad[b - bmin] = (ph * gpp + b % gpp) * gb
         ad[nb + b - bmin] = (ph * bs + b % gpp * 16) * rb
     span = (bmax - bmin + 1) * 16
@@ -280,7 +289,7 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
     if not (_check_c3(q, n, H, hd) and _check_c3(out, n, H, hd) and n_kv > 0
             and H % n_kv == 0):
         raise ValueError("attend: shapes or layouts do not match")
-    _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, True)
+    npg = _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, True)
     pmax = 0
     for t in range(n):
         pmax = max(pmax, positions[t])
@@ -341,8 +350,8 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
             t0 = tiles[ti]
             t1 = tiles[ti + 1]
             c1 = min(nchunks, c0 + cg) - 1
-            _item(q, K, V, tables[row_seq[t0]], bs, n_kv, positions, window, c, out, t0, t1,
-                  kvh, c0, c1, split, P, PmPl)
+            _item(q, K, V, tables[row_seq[t0]], bs, n_kv, npg, positions, window, c, out, t0,
+                  t1, kvh, c0, c1, split, P, PmPl)
     if split:
         _merge(P, PmPl, positions, window, out)
 

@@ -44,7 +44,7 @@ class Cache:
     def __init__(self, kind, n_kv, hd, ctx=CTX, bs=16, n_seqs=1, seed=0):
         self.kind, self.n_kv, self.hd, self.bs = kind, n_kv, hd, bs
         nblk = -(-ctx // bs)
-        n_pages = nblk * n_seqs + 3
+        self.n_pages = n_pages = nblk * n_seqs + 3
         cls = kvpages.PAGE_CLASSES[kind]
         self.K = cls(np.zeros(n_pages * n_kv * (bs // 16) * kvpages.k_group_nbytes(kind, hd)
                               + kvpages.PAD, np.uint8))
@@ -70,13 +70,13 @@ class Cache:
 
     def _key_group(self, seq, p, h):
         page = self.tables[seq, p // self.bs]
-        g = (page * self.n_kv + h) * (self.bs // 16) + p % self.bs // 16
+        g = (h * self.n_pages + page) * (self.bs // 16) + p % self.bs // 16
         nb = kvpages.k_group_nbytes(self.kind, self.hd)
         return self.K.a[g * nb:(g + 1) * nb], p % 16
 
     def _value_row(self, seq, p, h):
         page = self.tables[seq, p // self.bs]
-        r = (page * self.n_kv + h) * self.bs + p % self.bs
+        r = (h * self.n_pages + page) * self.bs + p % self.bs
         nb = kvpages.v_row_nbytes(self.kind, self.hd)
         return self.V.a[r * nb:(r + 1) * nb]
 
