@@ -16,6 +16,7 @@ import numpy as np
 from localllm.dequant import dequantize
 from localllm.quants import row_nbytes
 from localllm.kernels import attention as attn_k
+from localllm.kernels.direct import DirectCall, fingerprint
 from localllm.kernels import kvpages
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
@@ -31,6 +32,10 @@ _EMPTY = np.zeros(0, np.float32)
 def _balance(k_balance) -> np.ndarray:
     """A BlockSpec's key balance as the kernels take it (empty for none)."""
     return _EMPTY if k_balance is None else np.asarray(k_balance, np.float32)
+
+
+# The fused block without Numba's per-call dispatch (kernels/direct.py).
+_BLOCK = DirectCall(cpu_block.decoder_block)
 
 
 def _block_args(w, spec) -> tuple:
@@ -282,7 +287,8 @@ class CpuBackend:
         """One whole decoder block in a single Numba call (see models/block.py)."""
         entry = self._blocks.get(id(w))
         if entry is None or entry[0] is not w:
-            entry = (w, _block_args(w, spec))
+            args = _block_args(w, spec)
+            entry = (w, args, fingerprint(args))
             self._blocks[id(w)] = entry
         weights, cfg = entry[1]
         # Every layer of one forward pass sees the same positions: look the rotary tables
@@ -293,7 +299,12 @@ class CpuBackend:
             memo = self._rope_memo = (positions, spec.rope, cos, sin,
                                       np.asarray(positions, np.int64))
         x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel
-        cpu_block.decoder_block(x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
+        p = kv.pages
+        # What decides the compiled version: the layer's argument types, and those of the
+        # arrays that change from call to call.
+        key = (entry[2], type(p.K), type(p.V), fingerprint(
+            (x, kv.tables, kv.row_seq, memo[4], memo[2], memo[3], p.K.a, p.V.a)))
+        _BLOCK(key, x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
         return x
 
     def glu(self, gate, up, act):
