@@ -80,9 +80,12 @@ def _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, need_all
     the layer; raises ValueError otherwise, before anything is read or written. Returns the
     layer's page count."""
     npg = n_pages(K, V, bs, n_kv, hd)
-    gpp = bs // 16
     if npg < 0 or positions.shape[0] != row_seq.shape[0]:
         raise ValueError("paged KV: shapes or layouts do not match")
+    # Table entries cs, clo..chi are known good: a prompt chunk's tokens share most of theirs.
+    cs = np.int64(-1)
+    clo = np.int64(0)
+    chi = np.int64(-1)
     for t in range(positions.shape[0]):
         s = row_seq[t]
         p = positions[t]
@@ -91,10 +94,21 @@ def _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, need_all
         first = p
         if need_all:
             first = max(0, p - window + 1) if window > 0 else 0
-        for b in range(first // 16, p // 16 + 1):
-            page = tables[s, b // gpp]
-            if page < 0 or page >= npg:
-                raise ValueError("paged KV: a block the attention needs is not held")
+        lo = first // bs
+        hi = p // bs
+        if s != cs or hi < clo - 1 or lo > chi + 1:
+            cs = s
+            clo = lo
+            chi = lo - 1
+        for part in range(2):  # the entries below clo, then those above chi
+            a = lo if part == 0 else max(lo, chi + 1)
+            b = min(hi, clo - 1) if part == 0 else hi
+            for i in range(a, b + 1):
+                page = tables[s, i]
+                if page < 0 or page >= npg:
+                    raise ValueError("paged KV: a block the attention needs is not held")
+        clo = min(clo, lo)
+        chi = max(chi, hi)
     return npg
 
 
