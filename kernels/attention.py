@@ -178,10 +178,16 @@ def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, out, t0, t1, kvh, 
     rb = row_nbytes(V, hd)
     nb = bmax - bmin + 1
     ad = np.empty(2 * nb, np.int64)
-    for b in range(bmin, bmax + 1):
-        ph = kvh * npg + trow[b // gpp]
-        ad[b - bmin] = (ph * gpp + b % gpp) * gb
-        ad[nb + b - bmin] = (ph * bs + b % gpp * 16) * rb
+    pg = bmin // gpp  # block b is group g of table entry pg (no division per block)
+    g = bmin % gpp
+    for i in range(nb):
+        ph = kvh * npg + trow[pg]
+        ad[i] = (ph * gpp + g) * gb
+        ad[nb + i] = (ph * bs + g * 16) * rb
+        g += 1
+        if g == gpp:
+            g = 0
+            pg += 1
     span = (bmax - bmin + 1) * 16
     kbase = bmin * 16
     cbase = kbase // CHUNK

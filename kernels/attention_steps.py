@@ -297,7 +297,7 @@ def _values(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold)
                         x3 = vf_zero()
                         for j in range(a, b + 1):
                             e = vf_bcast(fl, t + j * 4)
-                            vo = ad[vb + (j >> 4)] + (j & 15) * vrow
+                            vo = ad[np.uint64(vb + (j >> 4))] + (j & 15) * vrow
                             x0 = vf_fma(e, v_dims(Vp, vo, hd, d), x0)
                             x1 = vf_fma(e, v_dims(Vp, vo, hd, d1), x1)
                             x2 = vf_fma(e, v_dims(Vp, vo, hd, d2), x2)
@@ -352,41 +352,36 @@ def _values(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold)
                 for part in range(3):
                     js = jlo if part == 0 else (j0 if part == 1 else j1 + 1)
                     je = j0 - 1 if part == 0 else (j1 if part == 1 else jhi)
-                    jb = js
-                    while jb <= je:  # by key blocks: one address lookup per 16 keys
-                        vo = ad[vb + (jb >> 4)] + (jb & 15) * vrow
-                        jn = min(je, jb | 15) + 1
-                        for j in range(jb, jn):
-                            w0 = v_dims(Vp, vo, hd, d)
-                            w1 = v_dims(Vp, vo, hd, d1)
-                            w2 = v_dims(Vp, vo, hd, d2)
-                            w3 = v_dims(Vp, vo, hd, d3)
-                            if part == 1 or (a0 <= j and j <= e0):
-                                e = vf_bcast(fl, t0 + j * 4)
-                                x00 = vf_fma(e, w0, x00)
-                                x01 = vf_fma(e, w1, x01)
-                                x02 = vf_fma(e, w2, x02)
-                                x03 = vf_fma(e, w3, x03)
-                            if part == 1 or (a1 <= j and j <= e1):
-                                e = vf_bcast(fl, t1 + j * 4)
-                                x10 = vf_fma(e, w0, x10)
-                                x11 = vf_fma(e, w1, x11)
-                                x12 = vf_fma(e, w2, x12)
-                                x13 = vf_fma(e, w3, x13)
-                            if part == 1 or (a2 <= j and j <= e2):
-                                e = vf_bcast(fl, t2 + j * 4)
-                                x20 = vf_fma(e, w0, x20)
-                                x21 = vf_fma(e, w1, x21)
-                                x22 = vf_fma(e, w2, x22)
-                                x23 = vf_fma(e, w3, x23)
-                            if part == 1 or (a3 <= j and j <= e3):
-                                e = vf_bcast(fl, t3 + j * 4)
-                                x30 = vf_fma(e, w0, x30)
-                                x31 = vf_fma(e, w1, x31)
-                                x32 = vf_fma(e, w2, x32)
-                                x33 = vf_fma(e, w3, x33)
-                            vo += vrow
-                        jb = jn
+                    for j in range(js, je + 1):
+                        vo = ad[np.uint64(vb + (j >> 4))] + (j & 15) * vrow
+                        w0 = v_dims(Vp, vo, hd, d)
+                        w1 = v_dims(Vp, vo, hd, d1)
+                        w2 = v_dims(Vp, vo, hd, d2)
+                        w3 = v_dims(Vp, vo, hd, d3)
+                        if part == 1 or (a0 <= j and j <= e0):
+                            e = vf_bcast(fl, t0 + j * 4)
+                            x00 = vf_fma(e, w0, x00)
+                            x01 = vf_fma(e, w1, x01)
+                            x02 = vf_fma(e, w2, x02)
+                            x03 = vf_fma(e, w3, x03)
+                        if part == 1 or (a1 <= j and j <= e1):
+                            e = vf_bcast(fl, t1 + j * 4)
+                            x10 = vf_fma(e, w0, x10)
+                            x11 = vf_fma(e, w1, x11)
+                            x12 = vf_fma(e, w2, x12)
+                            x13 = vf_fma(e, w3, x13)
+                        if part == 1 or (a2 <= j and j <= e2):
+                            e = vf_bcast(fl, t2 + j * 4)
+                            x20 = vf_fma(e, w0, x20)
+                            x21 = vf_fma(e, w1, x21)
+                            x22 = vf_fma(e, w2, x22)
+                            x23 = vf_fma(e, w3, x23)
+                        if part == 1 or (a3 <= j and j <= e3):
+                            e = vf_bcast(fl, t3 + j * 4)
+                            x30 = vf_fma(e, w0, x30)
+                            x31 = vf_fma(e, w1, x31)
+                            x32 = vf_fma(e, w2, x32)
+                            x33 = vf_fma(e, w3, x33)
                 if e0 >= 0:
                     _emit4(D, fl, ri[3 * R + r0] + c * dstride, ri[4 * R + r0] + wo, d, d1, d2,
                            d3, x00, x01, x02, x03, fold)
@@ -416,7 +411,7 @@ def _values_tail(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, 
             for d in range(hd - hd % 16, hd):
                 x = np.float32(0.0)
                 for j in range(a, b + 1):
-                    vo = ad[vb + (j >> 4)] + (j & 15) * vrow
+                    vo = ad[np.uint64(vb + (j >> 4))] + (j & 15) * vrow
                     x = f32_fma(fl[ri[2 * R + r] // 4 + j], v_el(Vp, vo, d), x)
                 if fold:
                     x = f32_fma(fl[ri[4 * R + r] // 4 + c - cbase], x, D[base + d])
