@@ -178,16 +178,23 @@ def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, out, t0, t1, kvh, 
     rb = row_nbytes(V, hd)
     nb = bmax - bmin + 1
     ad = np.empty(2 * nb, np.int64)
-    pg = bmin // gpp  # block b is group g of table entry pg (no division per block)
-    g = bmin % gpp
-    for i in range(nb):
-        ph = kvh * npg + trow[pg]
-        ad[i] = (ph * gpp + g) * gb
-        ad[nb + i] = (ph * bs + g * 16) * rb
-        g += 1
-        if g == gpp:
-            g = 0
-            pg += 1
+    head = kvh * npg
+    if gpp == 1:  # a page per block (the default): a loop LLVM vectorizes
+        for i in range(nb):
+            ph = head + np.int64(trow[np.uint64(bmin + i)])
+            ad[i] = ph * gb
+            ad[nb + i] = ph * (16 * rb)
+    else:
+        pg = bmin // gpp  # block b is group g of table entry pg (no division per block)
+        g = bmin % gpp
+        for i in range(nb):
+            ph = head + trow[pg]
+            ad[i] = (ph * gpp + g) * gb
+            ad[nb + i] = (ph * bs + g * 16) * rb
+            g += 1
+            if g == gpp:
+                g = 0
+                pg += 1
     span = (bmax - bmin + 1) * 16
     kbase = bmin * 16
     cbase = kbase // CHUNK
