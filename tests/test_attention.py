@@ -463,6 +463,40 @@ def test_other_sequences_in_the_batch_and_block_size_do_not_change_bits(kind):
         np.testing.assert_array_equal(bits(out[41]), bits(alone[2][7]))
 
 
+@pytest.mark.parametrize("kind", ["f16", "q4_0"])
+@pytest.mark.parametrize("G", [3, 2])
+def test_pages_in_order_and_scattered_give_the_same_bits(kind, G):
+    """Pages handed out in order (as the pool does), shifted, in runs that start below their
+    block index or broken in the middle give the bits of pages placed at random: for whole
+    prompts, chunks, windows and split decode items that start past block 0."""
+    n_kv, hd, n = 2, 64, CTX
+    H = G * n_kv
+    rng = np.random.default_rng(30 + G)
+    k = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    q = rng.standard_normal((n, H, hd)).astype(np.float32)
+    nblk = n // 16
+    scattered = Cache(kind, n_kv, hd)
+    in_order = np.arange(nblk)
+    low_run = np.concatenate([np.arange(nblk + 3 - 10, nblk + 3), np.arange(nblk - 10)])
+    broken = in_order.copy()
+    broken[[7, 12]] = broken[[12, 7]]
+    decode = np.array([n - 1, 200, 17])
+    for table in (in_order, in_order + 3, low_run, broken):
+        c = Cache(kind, n_kv, hd)
+        c.tables[0] = table
+        for a, b in ((0, 150), (150, n)):
+            c.write(k[a:b], v[a:b], np.arange(a, b))
+            if table is in_order:
+                scattered.write(k[a:b], v[a:b], np.arange(a, b))
+        for window in (0, 100):
+            for pos in (np.arange(n), np.arange(150, n)) + tuple(decode[i:i + 1] for i in range(3)):
+                np.testing.assert_array_equal(
+                    bits(c.attend(q[pos], pos, window, 0.125)),
+                    bits(scattered.attend(q[pos], pos, window, 0.125)),
+                    err_msg=f"table {table[:12]} window {window} pos {pos[:3]}")
+
+
 def test_thread_count_does_not_change_bits():
     q, c, _, _ = filled(1, 4, 256, 300, seed=3)
     pos = np.arange(300)
