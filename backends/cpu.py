@@ -6,8 +6,10 @@ token's result does not depend on the other tokens computed with it.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import platform
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -108,6 +110,40 @@ def set_threads(n: int) -> int:
     return n
 
 
+# glibc's mallopt parameters (malloc.h), and the values keep_scratch_memory sets: the largest
+# mmap threshold glibc takes on 64-bit hosts, and what may stay free at the top of a heap.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 256 << 20
+
+
+def keep_scratch_memory(system: str | None = None) -> bool:
+    """Keep freed blocks of up to 32 MB in the process instead of unmapping them (glibc).
+
+    Every kernel call allocates its scratch (activations, attention scores) with malloc, and
+    glibc serves blocks above its mmap threshold (128 KB at first) from fresh mappings that it
+    unmaps on free: the next call faults every page in again, zeroed by the OS. A 256-token
+    prompt chunk of SmolLM2-135M took some 32,000 page faults that way, a third of its time on
+    a 2-core VM. With blocks up to 32 MB taken from the heap, and up to 256 MB free at a
+    heap's top kept rather than trimmed, the same chunk takes none. The peak of memory in use
+    is unchanged; what was freed stays mapped for the next call.
+
+    Returns:
+        Whether the allocator took the settings (False off glibc: macOS, musl).
+    """
+    if (system or platform.system()) != "Linux":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
+
+
 class CpuBackend:
     """Backend on the host CPU."""
 
@@ -128,6 +164,7 @@ class CpuBackend:
         """
         if threads:
             set_threads(threads)
+        keep_scratch_memory()
         self._rope = RopeTables()  # cos/sin per RopeSpec, grown as positions are seen
         self._blocks: dict[int, tuple] = {}
         self._weight_cache = weight_cache
