@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 from .simd import (VF, _F32, _I32, _V16I8, _V16I32, _V16F32, _byte_ptr, _splat, _typed_ptr,
                    vf_from_vi, vf_lane, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    vi_and, vi_load_i8, vi_load_u8, vi_splat, vi_srl, vi_sub)
-from .vmath import f32_to_f16_bits, vf_store_f16
+from .vmath import f16_bits_to_f32, f32_to_f16_bits, vf_store_f16
 
 # One namedtuple per KV type, so that Numba compiles each loop for the type it reads; ``a``
 # is the flat uint8 page array (padded by 64 bytes, so a 16-lane load may run past an end).
@@ -324,28 +324,6 @@ def e4m3_bits(x):
     r = (m + 0x7FFFF + ((m >> 20) & 1)) >> 20
     code = (((u >> 23) - 127 + 7) << 3) + r  # r == 8 carries into the exponent
     return np.uint8(sign | min(code, 0x7E))
-
-
-@intrinsic
-def _bits_f32(typingctx, u):
-    """The float32 whose bits are the low 32 of integer ``u``."""
-    def cg(context, builder, sig, args):
-        return builder.bitcast(builder.trunc(args[0], _I32) if sig.args[0].bitwidth > 32
-                               else args[0], _F32)
-    return types.float32(u), cg
-
-
-@njit(cache=True, inline="always")
-def f16_bits_to_f32(bits):
-    """IEEE half bits -> float32, exactly (finite values)."""
-    b = np.int64(bits)
-    e = (b >> 10) & 31
-    m = b & 1023
-    if e == 0:
-        v = np.float32(m * 2.0 ** -24)
-    else:
-        v = _bits_f32(((e + 112) << 23) | (m << 13))
-    return -v if b & 0x8000 else v
 
 
 @njit(cache=True)

@@ -236,6 +236,22 @@ def f32_to_f16_bits(typingctx, x):
 
 
 @intrinsic
+def f16_bits_to_f32(typingctx, bits):
+    """IEEE half bits (an unsigned integer, its low 16 bits) as float32, exactly: the inverse
+    of f32_to_f16_bits, through vf_load_f16's portable path."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def cg(context, builder, sig, args):
+        h = args[0]
+        if sig.args[0].bitwidth > 16:
+            h = builder.trunc(h, ir.IntType(16))
+        v = _f16_bits_to_f32(builder, _splat(builder, h, _V16I16))
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(bits), cg
+
+
+@intrinsic
 def f32_fma(typingctx, a, b, c):
     """Scalar float32 a * b + c with one rounding (llvm.fma.f32), the lane op of vf_fma."""
     def cg(context, builder, sig, args):
