@@ -30,8 +30,8 @@ from numba.extending import intrinsic, overload
 
 from .simd import (VF, _F32, _I32, _V16I8, _V16I32, _V16F32, _byte_ptr, _splat, _typed_ptr,
                    vf_from_vi, vf_lane, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
-                   vi_and, vi_load_i8, vi_load_u8, vi_splat, vi_srl, vi_sub)
-from .vmath import f16_bits_to_f32, f32_to_f16_bits, vf_store_f16
+                   store_u16, vi_and, vi_load_i8, vi_load_u8, vi_splat, vi_srl, vi_sub)
+from .vmath import f16_bits_to_f32, f32_to_f16_bits, vf_store_f16, vf_store_f16_strided
 
 # One namedtuple per KV type, so that Numba compiles each loop for the type it reads; ``a``
 # is the flat uint8 page array (padded by 64 bytes, so a 16-lane load may run past an end).
@@ -286,12 +286,6 @@ def rotate_block(x, n_heads, hd):
 
 # ----------------------------------------------------------------------------- stores
 
-@njit(cache=True, inline="always")
-def _put_u16(a, off, bits):
-    a[off] = bits & 0xFF
-    a[off + 1] = (bits >> 8) & 0xFF
-
-
 @intrinsic
 def _f32_bits(typingctx, x):
     """The bits of a float32 as uint32."""
@@ -403,21 +397,18 @@ def _ol_store_key(pages, g, lane, hd, x, tmp):
     if kind == "F16":
         def store16(pages, g, lane, hd, x, tmp):
             a = pages.a
-            t16 = tmp.view(np.uint16)
             hd16 = hd - hd % 16
-            for d in range(0, hd16, 16):
-                vf_store_f16(t16, d * 2, vf_load(x, d * 4))
+            for d in range(0, hd16, 16):  # dim d of the key is row d of the group: 32 bytes
+                vf_store_f16_strided(a, g + (d * 16 + lane) * 2, 32, vf_load(x, d * 4))
             for d in range(hd16, hd):
-                t16[d] = f32_to_f16_bits(x[d])
-            for d in range(hd):
-                _put_u16(a, g + (d * 16 + lane) * 2, t16[d])
+                store_u16(a, g + (d * 16 + lane) * 2, f32_to_f16_bits(x[d]))
         return store16
     if kind in ("BF16", "FP8"):
         def store(pages, g, lane, hd, x, tmp):
             a = pages.a
             for d in range(hd):
                 if kind == "BF16":
-                    _put_u16(a, g + (d * 16 + lane) * 2, bf16_bits(x[d]))
+                    store_u16(a, g + (d * 16 + lane) * 2, bf16_bits(x[d]))
                 else:
                     a[g + d * 16 + lane] = e4m3_bits(x[d])
         return store
@@ -435,7 +426,7 @@ def _ol_store_key(pages, g, lane, hd, x, tmp):
                 s = _q4_block(xs, tmp)
                 for i in range(16):
                     a[g + ((c * 16 + i) * 16 + lane)] = np.uint8(tmp[i] | (tmp[i + 16] << 4))
-            _put_u16(a, g + per * hd + (c * 16 + lane) * 2, s)
+            store_u16(a, g + per * hd + (c * 16 + lane) * 2, s)
     return store_q
 
 
@@ -452,14 +443,14 @@ def _ol_store_value(pages, row, hd, x, tmp):
             for d in range(0, hd16, 16):
                 vf_store_f16(pages.a, row + d * 2, vf_load(x, d * 4))
             for d in range(hd16, hd):
-                _put_u16(pages.a, row + d * 2, f32_to_f16_bits(x[d]))
+                store_u16(pages.a, row + d * 2, f32_to_f16_bits(x[d]))
         return store16
     if kind in ("BF16", "FP8"):
         def store(pages, row, hd, x, tmp):
             a = pages.a
             for d in range(hd):
                 if kind == "BF16":
-                    _put_u16(a, row + d * 2, bf16_bits(x[d]))
+                    store_u16(a, row + d * 2, bf16_bits(x[d]))
                 else:
                     a[row + d] = e4m3_bits(x[d])
         return store
@@ -477,5 +468,5 @@ def _ol_store_value(pages, row, hd, x, tmp):
                 s = _q4_block(xs, tmp)
                 for i in range(16):
                     a[row + c * 16 + i] = np.uint8(tmp[i] | (tmp[i + 16] << 4))
-            _put_u16(a, row + qbytes + c * 2, s)
+            store_u16(a, row + qbytes + c * 2, s)
     return store_q

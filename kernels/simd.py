@@ -312,6 +312,17 @@ def vf_store(typingctx, arr, off, v):
 
 
 @intrinsic
+def store_u16(typingctx, arr, off, bits):
+    """Store the low 16 bits of an integer at byte offset ``off`` (one 2-byte store)."""
+    def cg(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        w = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store(builder.trunc(w, _I16), _typed_ptr(builder, p, _I16), align=1)
+        return context.get_dummy_value()
+    return types.void(arr, off, bits), cg
+
+
+@intrinsic
 def prefetch(typingctx, arr, off):
     """Hint that the cache line at byte ``off`` of ``arr`` will be read soon (no fault if past
     the end: prefetches never trap)."""

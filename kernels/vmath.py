@@ -215,13 +215,34 @@ def vf_store_f16(typingctx, arr, off, v):
     """Round a VF to IEEE half (nearest-even) and store its 32 bytes at byte offset ``off``."""
     def cg(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
-        if _HAS_F16C:
-            h = builder.bitcast(builder.fptrunc(args[2], _V16F16), _V16I16)
-        else:
-            h = _f32_to_f16_bits(builder, args[2])
-        builder.store(h, _typed_ptr(builder, p, _V16I16), align=1)
+        builder.store(_half_bits(builder, args[2]), _typed_ptr(builder, p, _V16I16), align=1)
         return context.get_dummy_value()
     return types.void(arr, off, v), cg
+
+
+def _half_bits(builder, v):
+    """A VF rounded to IEEE half (nearest-even), as 16 x i16 bits."""
+    if _HAS_F16C:
+        return builder.bitcast(builder.fptrunc(v, _V16F16), _V16I16)
+    return _f32_to_f16_bits(builder, v)
+
+
+@intrinsic
+def vf_store_f16_strided(typingctx, arr, off, stride, v):
+    """Round a VF to IEEE half like vf_store_f16 and store element i's 2 bytes at byte offset
+    ``off + i * stride`` (a column of a transposed tile)."""
+    def cg(context, builder, sig, args):
+        base = _byte_ptr(context, builder, sig.args[0], args[0], ir.Constant(ir.IntType(64), 0))
+        o = context.cast(builder, args[1], sig.args[1], types.int64)
+        st = context.cast(builder, args[2], sig.args[2], types.int64)
+        h = _half_bits(builder, args[3])
+        for i in range(16):
+            p = builder.gep(base, [o])
+            builder.store(builder.extract_element(h, ir.Constant(ir.IntType(32), i)),
+                          _typed_ptr(builder, p, ir.IntType(16)), align=1)
+            o = builder.add(o, st)
+        return context.get_dummy_value()
+    return types.void(arr, off, stride, v), cg
 
 
 @intrinsic

@@ -576,6 +576,35 @@ def test_scalar_half_widening_is_exact_for_every_pattern():
     assert np.isnan(out[np.isnan(ref)]).all()
 
 
+@njit(cache=True)
+def _half_columns(x, tile, rows):
+    """x (16 k floats) rounded to half twice: 32-byte rows as vf_store_f16 writes them, and
+    the same vectors as columns of a (16, 16 k) u16 tile (byte stride 32 k)."""
+    k = x.size // 16
+    for i in range(k):
+        v = simd.vf_load(x, i * 64)
+        vmath.vf_store_f16(rows, i * 32, v)
+        vmath.vf_store_f16_strided(tile, i * 2, 2 * k, v)
+    simd.store_u16(tile, 0, np.int64(0x1ABCD))  # low 16 bits only, 2 bytes
+
+
+def test_strided_half_store_writes_the_columns_of_the_rows():
+    """vf_store_f16_strided (how f16 keys go into their transposed key groups) stores the
+    bits vf_store_f16 stores, element i at offset + i * stride, and nothing between."""
+    rng = np.random.default_rng(8)
+    k = 5
+    x = np.concatenate([rng.standard_normal(16 * k - 4) * 1e3, [np.inf, -0.0, 7e4, 1e-6]])
+    x = x.astype(np.float32)
+    tile = np.full(16 * k, 0x7E7E, np.uint16).view(np.uint8)
+    rows = np.empty(16 * k, np.uint16)
+    _half_columns(x, tile, rows)
+    got = tile.view(np.uint16).reshape(16, k)
+    want = rows.reshape(k, 16).T.copy()
+    want[0, 0] = 0xABCD
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(rows, x.astype(np.float16).view(np.uint16))
+
+
 def test_exp2_accuracy_and_scalar_matches_vector():
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.uniform(-125, 0, 4096), rng.uniform(-1, 0, 4096),
