@@ -602,7 +602,9 @@ def test_strided_half_store_writes_the_columns_of_the_rows():
     want = rows.reshape(k, 16).T.copy()
     want[0, 0] = 0xABCD
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(rows, x.astype(np.float16).view(np.uint16))
+    with np.errstate(over="ignore"):  # 7e4 rounds to inf in half, on purpose
+        ref = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(rows, ref)
 
 
 def test_exp2_accuracy_and_scalar_matches_vector():
