@@ -8,9 +8,9 @@ __all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__"]
 def __getattr__(name):
     # Imported on first use so that light commands (fetching, listing) skip the kernels.
     if name in ("load", "Model", "LoadSettings"):
-        from . import engine
-        return getattr(engine, name)
+        from . import api
+        return getattr(api, name)
     if name == "SamplingParams":
-        from .sampling import SamplingParams
+        from .generation.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(f"module 'localllm' has no attribute {name!r}")

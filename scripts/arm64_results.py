@@ -26,7 +26,7 @@ SPEED_SHAPE = (256, 512, 32)  # N, K, tokens
 
 
 def compute(out: str, model: str) -> None:
-    from localllm.engine import load
+    from localllm.api import load
     from localllm.kernels import simd
     t = time.perf_counter()
     results = kernel_data.isa_results()

@@ -169,8 +169,8 @@ def bench_ids(path: str, n: int) -> list[int]:
     """n token ids of ordinary text for the model (its own tokenizer)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from fixtures_logits import PASSAGE
-    from localllm.gguf import GGUFFile
-    from localllm.tokenizer import Tokenizer
+    from localllm.formats.gguf import GGUFFile
+    from localllm.text.tokenizer import Tokenizer
     with GGUFFile(path) as f:
         tok = Tokenizer.from_metadata(f.metadata)
     ids = tok.encode(PASSAGE)
@@ -267,9 +267,9 @@ def cold_start(path: str, threads: int, env: dict, work: str) -> dict:
     under ``work``), `llm run -p Hi -n 4 -v`; then the wait for the fused block it leaves
     building. Returns wall seconds with their breakdown from the run's own statistics."""
     env = {**env, "NUMBA_CACHE_DIR": os.path.join(work, "numba")}
-    imp = [sys.executable, "-c", "import localllm.engine, localllm.backends.cpu"]
+    imp = [sys.executable, "-c", "import localllm.api, localllm.backends.cpu"]
     out = {"import_s": time_command(imp, env, 1)[0]}
-    cmd = [sys.executable, "-m", "localllm.cli", "run", path, "-p", "Hi", "-n", "4",
+    cmd = [sys.executable, "-m", "localllm.apps.cli", "run", path, "-p", "Hi", "-n", "4",
            "--threads", str(threads), "--seed", "1", "--ignore-eos", "-v",
            "--models-dir", os.path.join(work, "models")]
     out["first_run_s"], err = time_command(cmd, env, 1)
@@ -277,7 +277,7 @@ def cold_start(path: str, threads: int, env: dict, work: str) -> dict:
     out["load_s"] = _stat(r"load: ([\d.]+) s", err)  # includes the compile
     out["first_token_s"] = _stat(r"time to first token: ([\d.]+) s", err)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "localllm.backends.cpu_warm", "--wait", path],
+    subprocess.run([sys.executable, "-m", "localllm.runtime.warm", "--wait", path],
                    env=env, timeout=1800)
     out["block_wait_s"] = time.perf_counter() - t
     return out
@@ -289,14 +289,14 @@ def oneshot(path: str, threads: int, llama_python: str | None, runs: int) -> dic
     with tempfile.TemporaryDirectory() as work:
         out["cold"] = cold_start(path, threads, env, work)
         # The same command as llama.cpp's below, once everything of the first run is cached.
-        ours = [sys.executable, "-m", "localllm.cli", "run", path, "-p", ONESHOT_PROMPT,
+        ours = [sys.executable, "-m", "localllm.apps.cli", "run", path, "-p", ONESHOT_PROMPT,
                 "-n", str(ONESHOT_TOKENS), "--threads", str(threads), "--seed", "1",
                 "--ignore-eos", "--models-dir", os.path.join(work, "models")]
         warm_env = {**env, "NUMBA_CACHE_DIR": os.path.join(work, "numba")}
         out["localllm_warm_s"] = time_command(ours, warm_env, runs)[0]
     if llama_python:
-        from localllm.chat_template import ChatTemplate
-        from localllm.gguf import GGUFFile
+        from localllm.text.chat_template import ChatTemplate
+        from localllm.formats.gguf import GGUFFile
         with GGUFFile(path) as f:
             template = ChatTemplate.resolve(f.metadata)
         # as `llm run` does: the file's chat template if it has one, else the plain prompt
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
         oneshot_llama(args.oneshot_llama, args.threads, args.prompt)
         return 0
 
-    from localllm.fetch import resolve_model_path
+    from localllm.formats.fetch import resolve_model_path
     llama_python = args.llama_python
     if llama_python is None:
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)

@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from localllm.constrain import TokenConstraint, TokenVocab
-from localllm.fetch import fetch
-from localllm.gguf import GGUFFile
-from localllm.tokenizer import Tokenizer
+from localllm.generation.constrain import TokenConstraint, TokenVocab
+from localllm.formats.fetch import fetch
+from localllm.formats.gguf import GGUFFile
+from localllm.text.tokenizer import Tokenizer
 
 LIMITED = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}},
            "required": ["name"], "additionalProperties": False}

@@ -137,7 +137,7 @@ def bench_one(M, name: str, N: int, K: int, args, rng) -> dict:
 
 
 def parse_args(argv=None):
-    from localllm import quants
+    from localllm.formats import quants
 
     p = argparse.ArgumentParser(description=" ".join(__doc__.split()))
     p.add_argument("--formats", default=",".join(sorted(quants.SUPPORTED_TYPES)),
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     import numba
     import llvmlite.binding as llvm
 
-    from localllm import quants
+    from localllm.formats import quants
     from localllm.kernels import matmul as M
     from localllm.kernels import simd
 

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     import localllm
     from bench import _cpu_name
     from gguf_copy import copy_gguf
-    from localllm.fetch import resolve_model_path
+    from localllm.formats.fetch import resolve_model_path
     from localllm.kernels.simd import ISA
 
     kw = dict(threads=args.threads, ctx_size=1024)

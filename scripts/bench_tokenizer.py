@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the machine description shared with the other benchmarks)
 import fixture_texts  # noqa: E402
 
-from localllm.fetch import resolve_model_path  # noqa: E402
-from localllm.gguf import GGUFFile  # noqa: E402
-from localllm.tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer  # noqa: E402
+from localllm.formats.fetch import resolve_model_path  # noqa: E402
+from localllm.formats.gguf import GGUFFile  # noqa: E402
+from localllm.text.tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer  # noqa: E402
 
 CHARS = ["a", " ", "\n", "1", "<", "é", "中", "🙂", "\u2581", "\x00", "ab", "a "]
 

@@ -9,9 +9,9 @@ import tempfile
 from pathlib import Path
 
 import localllm
-from localllm.tui.app import ChatApp, ChatOptions
-from localllm.tui.pilot import say as pilot_say
-from localllm.tui.pilot import until
+from localllm.apps.tui.app import ChatApp, ChatOptions
+from localllm.apps.tui.pilot import say as pilot_say
+from localllm.apps.tui.pilot import until
 
 TURNS = ["Write a Python function that adds two numbers.",
          "Now say in one sentence what it does."]

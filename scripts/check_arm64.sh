@@ -37,7 +37,7 @@ arm() {
     "$REPO/scripts/arm64_results.py" "$@"
 }
 
-MODEL=$("$HOST_PYTHON" -c "from localllm.fetch import fetch; print(fetch('smollm2-135m', quiet=True))")
+MODEL=$("$HOST_PYTHON" -c "from localllm.formats.fetch import fetch; print(fetch('smollm2-135m', quiet=True))")
 echo "== reference: $("$HOST_PYTHON" -c 'import platform; print(platform.machine())'), this checkout"
 env "${REF_ENV[@]}" "$HOST_PYTHON" "$REPO/scripts/arm64_results.py" compute "$DIR/ref.npz" "$MODEL"
 echo "== arm64: $("${ARM[@]}" -c 'import platform; print(platform.machine(), platform.python_version())')"

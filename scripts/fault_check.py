@@ -25,7 +25,7 @@ import faults  # noqa: E402
 import tiny_model  # noqa: E402
 
 from localllm.backends.cpu_store import PackedStore, sweep_orphans, write_store  # noqa: E402
-from localllm.fetch import KNOWN_MODELS, cached_path, check_cached, fetch_model  # noqa: E402
+from localllm.formats.fetch import KNOWN_MODELS, cached_path, check_cached, fetch_model  # noqa: E402
 
 
 def _temp_dirs(models: Path) -> int:

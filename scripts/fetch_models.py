@@ -4,7 +4,7 @@
 import argparse
 import sys
 
-from localllm.fetch import KNOWN_MODELS, FetchError, cache_dir, fetch
+from localllm.formats.fetch import KNOWN_MODELS, FetchError, cache_dir, fetch
 
 
 def main(argv=None) -> int:

@@ -117,7 +117,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import localllm
-    from localllm.fetch import resolve_model_path
+    from localllm.formats.fetch import resolve_model_path
     from test_backends_models import GREEDY_PROMPTS
     results, failed = [], False
     from localllm.kernels.simd import ISA

@@ -56,7 +56,7 @@ def llama_worker(path: str, ids_file: str, n_ctx: int, kv: str, threads: int) ->
 
 def ours(name: str, text: str, n_ctx: int, threads: int) -> tuple[dict, list, int | None]:
     import localllm
-    from localllm.perplexity import perplexity
+    from localllm.generation.perplexity import perplexity
     m = localllm.load(name, ctx_size=n_ctx, threads=threads, batch_size=n_ctx)
     ids = m.tokenize(text)
     r = perplexity(m, ids, n_ctx, [m.with_kv(t, t) for t in TYPES])
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         llama_worker(path, ids_file, int(n_ctx), kv, args.threads)
         return 0
 
-    from localllm.fetch import resolve_model_path
+    from localllm.formats.fetch import resolve_model_path
     text = Path(args.file).read_text(encoding="utf-8")
     for name in args.models:
         path = str(resolve_model_path(name))

@@ -380,7 +380,7 @@ def pair_vocab() -> dict:
     ended up in the same pre-tokenizer word.
     """
     sys.path.insert(0, str(ROOT))
-    from localllm.tokenizer_bpe import BYTE_TO_CHAR, byte_encode
+    from localllm.text.tokenizer_bpe import BYTE_TO_CHAR, byte_encode
 
     controls = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<ctl{i}>" for i in range(14)]
     chars = sorted(set("".join(byte_encode(c) for c in PAIR_ALPHABET)))

@@ -31,7 +31,7 @@ def write_models(out: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     import synthetic
     from make_fixtures import model_path
-    from localllm.gguf import GGUFFile
+    from localllm.formats.gguf import GGUFFile
 
     out.mkdir(parents=True, exist_ok=True)
     src = GGUFFile(model_path("smollm"))

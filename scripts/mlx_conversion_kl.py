@@ -40,10 +40,10 @@ def quantize(llama_python: str, src: Path, dst: Path, fmt: str) -> None:
 
 def logits(path: Path, backend, ids: list[int]) -> np.ndarray:
     """Teacher-forced logits with every tensor on one backend."""
-    from localllm.gguf import GGUFFile
+    from localllm.formats.gguf import GGUFFile
     from localllm.models import build
     from localllm.models.common import Placement, WeightLoader
-    from localllm.sequence import KVSpace, Runner, Sequence
+    from localllm.runtime.sequence import KVSpace, Runner, Sequence
     f = GGUFFile(path)
     meta = f.metadata
     from localllm.models import module_for
@@ -79,7 +79,7 @@ def main() -> int:
     from localllm.backends import mlx_quant
     from localllm.backends.mlx import MlxBackend
     from localllm.backends.torch import TorchBackend
-    from localllm.fetch import resolve_model_path
+    from localllm.formats.fetch import resolve_model_path
     src = resolve_model_path(args.model)
     fx = json.loads((ROOT / "tests/fixtures/logits/smollm_logits.json").read_text())
     ids = fx["ids"][:args.positions]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from localllm.fetch import fetch
+from localllm.formats.fetch import fetch
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def gemma_path():
 @pytest.fixture(scope="session")
 def metas(smollm_path, gemma_path):
     """Both real models' metadata (read once)."""
-    from localllm.gguf import GGUFFile
+    from localllm.formats.gguf import GGUFFile
     files = {"smollm": GGUFFile(smollm_path), "gemma": GGUFFile(gemma_path)}
     yield {k: f.metadata for k, f in files.items()}
     for f in files.values():

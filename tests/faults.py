@@ -29,7 +29,7 @@ def make_wheels(directory: Path, data: bytes, n_parts: int = 2,
                 name: str = "localllm-fault-model", filename: str = "fault-model.gguf"):
     """Writes `data` as `n_parts` wheels in `directory`, the way the known models are
     packaged. Returns: the KnownModel that fetches it."""
-    from localllm.fetch import KnownModel
+    from localllm.formats.fetch import KnownModel
 
     directory.mkdir(parents=True, exist_ok=True)
     step = -(-len(data) // n_parts)
@@ -55,7 +55,7 @@ def model_json(model) -> str:
 
 
 def model_from_json(text: str):
-    from localllm.fetch import KnownModel
+    from localllm.formats.fetch import KnownModel
     d = json.loads(text)
     return KnownModel(**{**d, "parts": tuple(map(tuple, d["parts"]))})
 
@@ -128,7 +128,7 @@ def kill_trials(start: Callable[[], subprocess.Popen], state: Callable[[], str],
 # ---- children ------------------------------------------------------------------------
 
 def _fetch(arg: dict) -> None:
-    from localllm.fetch import fetch_model
+    from localllm.formats.fetch import fetch_model
     print("ready", flush=True)
     fetch_model(model_from_json(arg["model"]), arg["dir"], quiet=True, find_links=arg["wheels"])
 

@@ -22,7 +22,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 import gguf_hostile as H
-from localllm.gguf import MAX_ARRAY_DEPTH
+from localllm.formats.gguf import MAX_ARRAY_DEPTH
 
 # ---- building files with a map of their fields ---------------------------------------
 
@@ -325,7 +325,7 @@ def _jsonable(v: Any) -> Any:
 def _invariants(f, size: int) -> list[str]:
     """Everything a returned GGUFFile promises, checked; returns the broken promises."""
     import numpy as np
-    from localllm.gguf import GGUFError, MAX_DIMS
+    from localllm.formats.gguf import GGUFError, MAX_DIMS
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     bad = []
@@ -400,7 +400,7 @@ def check_file(path: str) -> dict:
     """Opens one file; returns {"status": "ok" | "gguf_error" | "error", ...}. "ok" carries
     the reading (for valid files) and any broken invariant; "error" is any exception
     other than GGUFError, with its type and message."""
-    from localllm.gguf import GGUFError, GGUFFile
+    from localllm.formats.gguf import GGUFError, GGUFFile
 
     t0 = time.perf_counter()
     size = os.path.getsize(path)
@@ -426,7 +426,7 @@ def check_file(path: str) -> dict:
 
 
 def _serve() -> None:
-    import localllm.gguf  # noqa: F401  (imported before the limit is set)
+    import localllm.formats.gguf  # noqa: F401  (imported before the limit is set)
     import numpy  # noqa: F401
     from gguf.constants import GGML_QUANT_SIZES  # noqa: F401
     with open("/proc/self/statm") as f:

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from localllm import quants
-from localllm.dequant import dequantize
+from localllm.formats import quants
+from localllm.formats.dequant import dequantize
 
 FORMATS = sorted(quants.SUPPORTED_TYPES)
 FLOAT_FORMATS = ("F32", "F16", "BF16")

@@ -19,7 +19,7 @@ class ServerProcess:
     """`llm serve MODEL --port 0 ARGS...`, its URL read from the line it prints on start."""
 
     def __init__(self, model: str, *args: str, api_key: str | None = None):
-        cmd = [sys.executable, "-m", "localllm.cli", "serve", str(model), "--port", "0", *args]
+        cmd = [sys.executable, "-m", "localllm.apps.cli", "serve", str(model), "--port", "0", *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.api_key = api_key

@@ -25,8 +25,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from kernel_data import FLOAT_FORMATS, f16_fields, random_weight
-from localllm import quants
-from localllm.dequant import dequantize
+from localllm.formats import quants
+from localllm.formats.dequant import dequantize
 
 # Llama 3.2's rope scaling ("llama3" in its config), turned into per-frequency divisors the
 # way the GGUF converter stores them (the rope_freqs tensor).
@@ -286,7 +286,7 @@ def digest(path: str | Path) -> str:
     """sha256 of a GGUF file's tensors and metadata as our reader sees them (independent of
     how a writer lays the file out): the fixtures record it, so a change in the generated
     weights shows as such rather than as disagreement."""
-    from localllm.gguf import GGUFFile
+    from localllm.formats.gguf import GGUFFile
     h = hashlib.sha256()
     f = GGUFFile(path)
     try:

@@ -12,9 +12,9 @@ import pytest
 from kernel_data import FORMATS, random_weight
 from localllm.backends.base import KVLayout, LayerKV, RopeSpec
 from localllm.backends.cpu import CpuBackend
-from localllm.dequant import dequantize
+from localllm.formats.dequant import dequantize
 from localllm.kernels import attention as attn
-from localllm.quants import row_nbytes
+from localllm.formats.quants import row_nbytes
 from test_attention import Cache
 
 KV_TYPES = ("f16", "bf16", "fp8", "q8_0", "q4_0")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.engine import EngineError
+from localllm.api import EngineError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logits"
 TOP1_MIN = {"smollm": 0.95, "gemma": 0.92}  # where llama.cpp sits from our CPU backend
@@ -192,7 +192,7 @@ def _first_flip_is_a_tie(m, prompt, got, want):
 
 @pytest.mark.parametrize("config", SPLITS, ids=_config_id)
 def test_batcher_on_a_split(smollm_path, loaded, config):
-    from localllm.batching import Batcher
+    from localllm.generation.batching import Batcher
     m = loaded(smollm_path, *config)
     passage = "The river ran under the old stone bridge, past the mill and the church. " * 4
     prompts = [m.tokenize(p) for p in ("Once upon a time", "def fib(n):", passage)]
@@ -232,8 +232,8 @@ def test_ledger_of_the_cpu_backend_and_a_refused_split(smollm_path, gemma_path):
         _check_ledger(m)
         m.close()
     # more layers than the GPU has room for: refused with the numbers, before loading
-    from localllm.engine import LoadSettings, plan_model
-    from localllm.gguf import GGUFFile
+    from localllm.api import LoadSettings, plan_model
+    from localllm.formats.gguf import GGUFFile
     pytest.importorskip("torch")
     with GGUFFile(smollm_path) as f:
         plan, *_ = plan_model(f, LoadSettings(backend="torch", gpu_layers="all"))
@@ -249,9 +249,9 @@ def test_auto_fits_as_many_layers_as_the_gpu_holds(smollm_path):
     N that does not fit, and a model that fits neither, are refused with the numbers."""
     from localllm.backends.base import MemoryInfo
     from localllm.backends.cpu import CpuBackend
-    from localllm.gguf import GGUFFile
+    from localllm.formats.gguf import GGUFFile
     from localllm.models import llama
-    from localllm.placement import GPU_MARGIN, PlanRequest, plan_memory
+    from localllm.runtime.placement import GPU_MARGIN, PlanRequest, plan_memory
 
     class SeparateGpu(CpuBackend):
         """The CPU backend's sizes, allocated from a memory of its own (as a GPU's)."""
@@ -286,7 +286,7 @@ def test_auto_fits_as_many_layers_as_the_gpu_holds(smollm_path):
 
 # ---------------------------------------------------------------------------- the command line
 
-LLM = [sys.executable, "-m", "localllm.cli"]
+LLM = [sys.executable, "-m", "localllm.apps.cli"]
 
 
 def llm(*args):
@@ -339,7 +339,7 @@ def test_serve_with_a_split(smollm_path, backend):
 
 
 def test_chat_takes_the_split_options():
-    from localllm.cli import _model_settings, build_parser
+    from localllm.apps.cli import _model_settings, build_parser
     args = build_parser().parse_args(["chat", "m", "--backend", "mlx", "-ngl", "all"])
     assert (_model_settings(args)["backend"], _model_settings(args)["gpu_layers"]) == \
         ("mlx", "all")

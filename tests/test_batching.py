@@ -4,7 +4,7 @@ alone, join and leave between steps, and give their blocks back."""
 import pytest
 
 import localllm
-from localllm.batching import Batcher
+from localllm.generation.batching import Batcher
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_cancel_and_errors_leave_nothing_held(model):
         b.step()
     assert r2.done and r2.chunks[-1].finish_reason in ("stop", "length")
     assert m.kv_stats().blocks_used == 0
-    with pytest.raises(localllm.engine.EngineError):
+    with pytest.raises(localllm.api.EngineError):
         b.add([], max_tokens=3)
     with pytest.raises(TypeError):
         b.add([1, 2], temprature=1)

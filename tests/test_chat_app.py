@@ -8,11 +8,11 @@ import pytest
 
 pytest.importorskip("textual", reason="llm chat needs the chat extra (textual)")
 
-from localllm.tui.app import ChatApp, ChatOptions  # noqa: E402
-from localllm.tui.export import to_json  # noqa: E402
-from localllm.tui.pilot import say, until  # noqa: E402
-from localllm.tui.store import Store  # noqa: E402
-from localllm.tui.widgets import MessageView, NoteView  # noqa: E402
+from localllm.apps.tui.app import ChatApp, ChatOptions  # noqa: E402
+from localllm.apps.tui.export import to_json  # noqa: E402
+from localllm.apps.tui.pilot import say, until  # noqa: E402
+from localllm.apps.tui.store import Store  # noqa: E402
+from localllm.apps.tui.widgets import MessageView, NoteView  # noqa: E402
 
 CTX = 1024
 
@@ -307,7 +307,7 @@ def test_a_full_context_asks_and_never_cuts(make_app, tmp_path):
 def test_keys_newlines_history_and_remapping(make_app, tmp_path):
     Store(tmp_path / "chat.db").close()
     seed = Store(tmp_path / "chat.db")
-    from localllm.tui.tree import Conversation
+    from localllm.apps.tui.tree import Conversation
     seed.add_message(Conversation(id=0), None, "user", "an earlier prompt")
     seed.close()
     app = make_app(keys={"send": "ctrl+s"})

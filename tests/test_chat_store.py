@@ -8,12 +8,12 @@ import pytest
 
 pytest.importorskip("textual", reason="llm chat needs the chat extra (textual)")
 
-from localllm.tui import commands as cmds  # noqa: E402
-from localllm.tui.config import DEFAULT_KEYS, ConfigError, load_config  # noqa: E402
-from localllm.tui.export import ExportError, from_json, read_file, to_json, to_markdown, write_file  # noqa: E402
-from localllm.tui.store import Store, StoreError  # noqa: E402
-from localllm.tui.tree import Conversation, Message  # noqa: E402
-from localllm.tui.widgets import code_blocks  # noqa: E402
+from localllm.apps.tui import commands as cmds  # noqa: E402
+from localllm.apps.tui.config import DEFAULT_KEYS, ConfigError, load_config  # noqa: E402
+from localllm.apps.tui.export import ExportError, from_json, read_file, to_json, to_markdown, write_file  # noqa: E402
+from localllm.apps.tui.store import Store, StoreError  # noqa: E402
+from localllm.apps.tui.tree import Conversation, Message  # noqa: E402
+from localllm.apps.tui.widgets import code_blocks  # noqa: E402
 
 
 def branching(store):
@@ -167,7 +167,7 @@ def test_import_keeps_file_order_of_parents():
 
 _FULL_DISK_CHILD = """
 import os, resource, signal, sys
-from localllm.tui.store import Store, StoreError
+from localllm.apps.tui.store import Store, StoreError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
 path = sys.argv[1]
 store = Store(path)

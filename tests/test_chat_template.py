@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from localllm.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
-from localllm.tokenizer import Tokenizer
+from localllm.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+from localllm.text.tokenizer import Tokenizer
 
 DOC = json.loads((Path(__file__).parent / "fixtures" / "templates" / "llama_cpp_templates.json")
                  .read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("textual", reason="llm chat needs the chat extra (textual)")
 
-LLM = [sys.executable, "-m", "localllm.cli"]
+LLM = [sys.executable, "-m", "localllm.apps.cli"]
 KITTY_SHIFT_ENTER = "\x1b[13;2u"    # what a terminal with the Kitty protocol sends
 
 
@@ -160,8 +160,8 @@ def test_list_and_command_line_errors(tmp_path, smollm_path):
                                     env=env, stdin=subprocess.DEVNULL, timeout=120)
     r = run("chat", "--list")
     assert r.returncode == 0 and "no saved conversations" in r.stderr
-    from localllm.tui.store import Store
-    from localllm.tui.tree import Conversation
+    from localllm.apps.tui.store import Store
+    from localllm.apps.tui.tree import Conversation
     store = Store(tmp_path / "data" / "localllm" / "chat.db")
     conv = Conversation(id=0, model="smollm2-135m")
     store.add_message(conv, None, "user", "Where is the moon?")

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from localllm.fetch import FetchError, fetch
+from localllm.formats.fetch import FetchError, fetch
 
-LLM = [sys.executable, "-m", "localllm.cli"]
+LLM = [sys.executable, "-m", "localllm.apps.cli"]
 
 
 def llm(*args, stdin=None, timeout=300):

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator, FormatChecker
 
-from localllm.constrain import GrammarError, TokenConstraint, TokenVocab
-from localllm.constrain.schema import compile_schema
-from localllm.sampling import Sampler, SamplingParams
+from localllm.generation.constrain import GrammarError, TokenConstraint, TokenVocab
+from localllm.generation.constrain.schema import compile_schema
+from localllm.generation.sampling import Sampler, SamplingParams
 
 # Every single byte is a token (so any text can be fed byte by byte), plus longer pieces that
 # cross JSON's boundaries, invalid UTF-8, a control token and an end token.

@@ -9,7 +9,7 @@ import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
 import localllm
-from localllm.constrain import TokenConstraint
+from localllm.generation.constrain import TokenConstraint
 
 ASK = [{"role": "user", "content": "Describe a cat as a JSON object with a name, an age and "
                                    "a list of favourite foods."}]

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from localllm.backends import cpu_warm
+from localllm.runtime import warm as cpu_warm
 
 
 def test_groups_dealt_longest_first_to_the_least_loaded():
@@ -24,7 +24,7 @@ def test_model_formats(smollm_path, gemma_path):
 
 def _worker(cache, *jobs):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
-    return subprocess.run([sys.executable, "-m", "localllm.backends.cpu_warm", *jobs],
+    return subprocess.run([sys.executable, "-m", "localllm.runtime.warm", *jobs],
                           env=env, capture_output=True, text=True, timeout=600)
 
 

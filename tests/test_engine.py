@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.engine import EngineError
+from localllm.api import EngineError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logits"
 
@@ -205,8 +205,8 @@ def test_repacked_weight_store_round_trip(smollm_path, tmp_path):
 
 
 def test_model_too_big_for_memory_is_refused_before_loading(smollm_path):
-    from localllm.engine import LoadSettings, plan_model
-    from localllm.gguf import GGUFFile
+    from localllm.api import LoadSettings, plan_model
+    from localllm.formats.gguf import GGUFFile
 
     settings = LoadSettings(ctx_size=4096, backend="cpu")
     with GGUFFile(smollm_path) as f:

@@ -16,8 +16,8 @@ import faults
 import localllm
 import tiny_model
 from localllm.backends.cpu_store import PackedStore, sweep_orphans, write_store
-from localllm.fetch import FetchError, check_cached, fetch_model, resolve_model_path
-from localllm.filelock import hold
+from localllm.formats.fetch import FetchError, check_cached, fetch_model, resolve_model_path
+from localllm.formats.filelock import hold
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_damaged_known_model_is_never_loaded(tmp_path, smollm_path):
     with pytest.raises(FetchError, match="damaged"):
         localllm.load("smollm2-135m", models_dir=str(models), download=False)
     # (`llm run` would fetch it again; `inspect` never downloads)
-    r = subprocess.run([sys.executable, "-m", "localllm.cli", "inspect", "smollm2-135m",
+    r = subprocess.run([sys.executable, "-m", "localllm.apps.cli", "inspect", "smollm2-135m",
                         "--models-dir", str(models)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and r.stdout == ""

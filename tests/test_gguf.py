@@ -1,4 +1,4 @@
-"""Tests of localllm.gguf: real models against gguf's GGUFReader, GGUFWriter round trips,
+"""Tests of localllm.formats.gguf: real models against gguf's GGUFReader, GGUFWriter round trips,
 and hostile files that must each raise GGUFError naming the field and byte offset."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gguf_hostile as hostile
-from localllm.gguf import GGUFError, GGUFFile, TensorInfo
+from localllm.formats.gguf import GGUFError, GGUFFile, TensorInfo
 
 _EXPECTED_DTYPE = {
     GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8,

@@ -12,8 +12,8 @@ import pytest
 from kernel_data import (FLOAT_FORMATS, FORMATS, activation_width, assert_same_bits,
                          block_mins, dequant64, f16_fields, q8_blocks32, q8_blocks256, q8_dequant,
                          random_weight, set_f16)
-from localllm import quants
-from localllm.gguf import GGUFFile
+from localllm.formats import quants
+from localllm.formats.gguf import GGUFFile
 from localllm.kernels import matmul as M
 
 # Quantized formats: activations are rounded to int8 blocks (as llama.cpp's Q8 activations),

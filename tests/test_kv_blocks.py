@@ -4,8 +4,8 @@ windows and their checkpoints."""
 
 import pytest
 
-from localllm.kv.blocks import BlockPool, PoolExhausted, chain_hashes, group_hash
-from localllm.kv.cache import CacheGroup, PagedCache
+from localllm.runtime.kv.blocks import BlockPool, PoolExhausted, chain_hashes, group_hash
+from localllm.runtime.kv.cache import CacheGroup, PagedCache
 
 BS = 16
 

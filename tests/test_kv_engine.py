@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.engine import EngineError
+from localllm.api import EngineError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logits"
 TYPES = ("f16", "bf16", "fp8", "q8_0", "q4_0")
@@ -250,7 +250,7 @@ def test_a_full_context_is_said_not_cut(smollm_path):
 
 
 def peak_mb(ctx: int, path: str) -> float:
-    r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", path, "-c", str(ctx),
+    r = subprocess.run([sys.executable, "-m", "localllm.apps.cli", "run", path, "-c", str(ctx),
                         "-p", "hi", "-n", "8", "-v", "--threads", "2"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -13,9 +13,9 @@ from gguf.constants import GGUFValueType as V
 
 import localllm
 import tiny_model as T
-from localllm.engine import EngineError
+from localllm.api import EngineError
 from localllm.models import ModelError
-from localllm.tokenizer import TokenizerError
+from localllm.text.tokenizer import TokenizerError
 
 P = "llama."
 _nan_at_3 = np.ones(T.DIM, np.float32)
@@ -197,7 +197,7 @@ def test_wrong_metadata_is_a_clear_error_at_load(tmp_path, label):
 def test_the_command_says_it_in_one_line(tmp_path, label):
     meta, weights, _, needle = CASES[label]
     path = T.write(tmp_path / "bad.gguf", meta, weights)
-    r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", str(path), "-p", "hi"],
+    r = subprocess.run([sys.executable, "-m", "localllm.apps.cli", "run", str(path), "-p", "hi"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and r.stdout == ""
     lines = r.stderr.strip().splitlines()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.perplexity import perplexity
+from localllm.generation.perplexity import perplexity
 
 PASSAGE = json.loads((Path(__file__).parent / "fixtures" / "logits" /
                       "smollm_logits.json").read_text())["passage"]
@@ -58,13 +58,13 @@ def test_kv_compare_scores_the_same_tokens(model):
 def test_cli_reports_progress_and_estimate(smollm_path, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(PASSAGE * 2)
-    r = subprocess.run([sys.executable, "-m", "localllm.cli", "perplexity", smollm_path, "-f",
+    r = subprocess.run([sys.executable, "-m", "localllm.apps.cli", "perplexity", smollm_path, "-f",
                         str(text), "-c", "128", "--kv-compare", "fp8", "--threads", "2"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Final estimate: PPL = " in r.stdout and "KV fp8: PPL = " in r.stdout
     assert "[1/" in r.stderr and "PPL so far" in r.stderr
-    bad = subprocess.run([sys.executable, "-m", "localllm.cli", "perplexity", smollm_path,
+    bad = subprocess.run([sys.executable, "-m", "localllm.apps.cli", "perplexity", smollm_path,
                           "-f", str(text), "-c", "4096"], capture_output=True, text=True,
                          timeout=600)
     last = bad.stderr.strip().splitlines()[-1]

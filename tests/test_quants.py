@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from localllm import dequant as D
-from localllm import quants as Q
-from localllm.gguf import GGUFFile
+from localllm.formats import dequant as D
+from localllm.formats import quants as Q
+from localllm.formats.gguf import GGUFFile
 
 # Byte offsets of the f16 fields (d, m / dmin) in each block, from ggml-common.h's
 # block_* structs; written out here so the tests do not lean on Q.BLOCK_LAYOUT.

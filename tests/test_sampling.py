@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localllm.generate import StopMatcher
-from localllm.sampling import Sampler, SamplingParams, token_logprob
+from localllm.generation.decoder import StopMatcher
+from localllm.generation.sampling import Sampler, SamplingParams, token_logprob
 
 
 def logits(rng, n=50):

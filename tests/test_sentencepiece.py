@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as pb
 
-from localllm.tokenizer import ATTR_CONTROL, TYPE_USER_DEFINED, Tokenizer
+from localllm.text.tokenizer import ATTR_CONTROL, TYPE_USER_DEFINED, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import fixture_texts  # noqa: E402

@@ -460,7 +460,7 @@ def test_metrics_count_prompt_lookup_drafts(server, client):
 
 
 def test_host_rules():
-    from localllm.server.security import HostAllowlist, host_of, is_loopback
+    from localllm.apps.server.security import HostAllowlist, host_of, is_loopback
     assert [host_of(h) for h in ("a.b:80", "[::1]:8080", "[::1]", "Local.Host.", "1.2.3.4")] == \
         ["a.b", "::1", "::1", "local.host", "1.2.3.4"]
     assert all(is_loopback(h) for h in ("localhost", "127.0.0.1", "127.9.9.9", "::1",
@@ -473,7 +473,7 @@ def test_host_rules():
 
 
 def test_settings_checks():
-    from localllm.server import ServerSettings
+    from localllm.apps.server import ServerSettings
     ServerSettings(host="::1").check()
     ServerSettings(host="0.0.0.0", api_key="k").check()
     for bad in (dict(host="0.0.0.0"), dict(host="example.com"), dict(port=70000),
@@ -488,7 +488,7 @@ def test_settings_checks():
 def _serve(*args):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, "-m", "localllm.cli", "serve", *args],
+    return subprocess.run([sys.executable, "-m", "localllm.apps.cli", "serve", *args],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

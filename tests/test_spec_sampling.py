@@ -11,9 +11,9 @@ import pytest
 
 import localllm
 import tiny_model
-from localllm import speculative
-from localllm.sampling import Dist, Sampler, SamplingParams
-from localllm.speculative import accept_probability, residual
+from localllm.generation import speculative
+from localllm.generation.sampling import Dist, Sampler, SamplingParams
+from localllm.generation.speculative import accept_probability, residual
 
 SETTINGS = dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.0, repeat_penalty=1.3,
                 max_tokens=4, ignore_eos=True)

@@ -8,9 +8,9 @@ import pytest
 import localllm
 import tiny_model
 from gguf_copy import copy_gguf
-from localllm.batching import Batcher
-from localllm.engine import EngineError
-from localllm.speculative import DraftLength, LookupDrafter
+from localllm.generation.batching import Batcher
+from localllm.api import EngineError
+from localllm.generation.speculative import DraftLength, LookupDrafter
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
            "can of oil and a cloth. He trimmed the wick, polished the great lens until it "
@@ -36,7 +36,7 @@ MAX_TOKENS = 28
 
 
 def _layers(path):
-    from localllm.gguf import GGUFFile
+    from localllm.formats.gguf import GGUFFile
     with GGUFFile(path) as f:
         m = f.metadata
         return int(m[f"{m['general.architecture']}.block_count"])

@@ -45,8 +45,8 @@ def test_token_ids_match_llama_cpp(synthetic_files, name):
     """SmolLM2's vocabulary under each file's pre-tokenizer (qwen2 for the Qwen files,
     llama-bpe for Llama 3), as llama.cpp reads the synthetic file."""
     fx = load_case(next(c for c, (m, _) in synthetic.CASES.items() if m == name))
-    from localllm.gguf import GGUFFile
-    from localllm.tokenizer import Tokenizer
+    from localllm.formats.gguf import GGUFFile
+    from localllm.text.tokenizer import Tokenizer
     f = GGUFFile(synthetic_files[name])
     tok = Tokenizer.from_metadata(f.metadata)
     f.close()

@@ -13,8 +13,8 @@ import jinja2.ext
 import jinja2.sandbox
 import pytest
 
-from localllm.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
-from localllm.template_guard import RenderLimits
+from localllm.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+from localllm.text.template_guard import RenderLimits
 
 DOC = json.loads((Path(__file__).parent / "fixtures" / "templates" / "attacks.json")
                  .read_text(encoding="utf-8"))

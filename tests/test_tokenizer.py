@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localllm.tokenizer import (
+from localllm.text.tokenizer import (
     ATTR_BYTE,
     ATTR_CONTROL,
     Tokenizer,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localllm.tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer, TokenizerError
+from localllm.text.tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer, TokenizerError
 
 MODELS = ["smollm", "gemma"]
 HANG = 60.0  # a guard against a hang or a quadratic path, not a speed assertion

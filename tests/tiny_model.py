@@ -11,7 +11,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.constants import GGUFValueType as V
 
-from localllm.tokenizer_bpe import BYTE_TO_CHAR
+from localllm.text.tokenizer_bpe import BYTE_TO_CHAR
 
 DIM, N_HEADS, N_KV, HIDDEN, N_LAYERS = 64, 4, 2, 128, 2
 HEAD_DIM = DIM // N_HEADS

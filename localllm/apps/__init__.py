@@ -1,0 +1,1 @@
+"""The front ends: `llm` (cli), `llm serve` (server/) and `llm chat` (tui/)."""

@@ -1,0 +1,521 @@
+"""The `llm` command: run a prompt, chat, serve a model, pull, list and inspect models.
+
+Stdout carries only generated text; messages and statistics go to stderr. Every failure is
+one line starting with ``error:`` and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage dump
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx-size", type=int, default=0,
+                   help="context size in tokens (default: min(4096, the model's))")
+    p.add_argument("-t", "--threads", type=int, default=0,
+                   help="CPU threads (default: physical cores)")
+    p.add_argument("-b", "--batch-size", type=_positive_int, default=256,
+                   help="prompt tokens per forward pass (default 256)")
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="chat template: a builtin name or a Jinja file")
+    p.add_argument("--models-dir", default=None, help="model cache directory")
+    p.add_argument("--no-weight-cache", action="store_true",
+                   help="repack weights on every load instead of keeping them on disk")
+    kv = "KV cache type: f16 (default), bf16, q8_0, q4_0 or fp8"
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help=kv + " (keys)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help=kv + " (values)")
+    p.add_argument("--kv-block-size", type=_positive_int, default=16,
+                   help="tokens per KV block, a multiple of 16 (default 16)")
+    p.add_argument("--kv-pool-mb", type=float, default=0,
+                   help="KV cache limit in MB (default: two contexts, as memory allows)")
+    _add_split_options(p)
+
+
+def _add_split_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "torch", "mlx"),
+                   help="GPU backend: torch (CUDA, or its CPU build), mlx (Metal, or its CPU "
+                        "build) or cpu (none); default: CUDA torch if present, else MLX on "
+                        "Apple Silicon, else cpu")
+    p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto|all",
+                   help="layers on the GPU backend, the last ones, with the output head "
+                        "(default auto: as many as fit its free memory)")
+
+
+def _model_settings(args) -> dict:
+    """LoadSettings fields from the model options (shared by every command that loads)."""
+    if args.ctx_size < 0:
+        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.kv_pool_mb < 0:
+        raise ValueError(f"--kv-pool-mb must be >= 0, got {args.kv_pool_mb:g}")
+    return dict(ctx_size=args.ctx_size, threads=args.threads, batch_size=args.batch_size,
+                chat_template=args.chat_template, models_dir=args.models_dir,
+                weight_cache=not args.no_weight_cache, ctk=args.cache_type_k,
+                ctv=args.cache_type_v, kv_block_size=args.kv_block_size,
+                kv_pool_mb=args.kv_pool_mb, backend=args.backend,
+                gpu_layers=_gpu_layers(args.gpu_layers))
+
+
+def _gpu_layers(text: str) -> int | str:
+    from localllm.runtime.placement import parse_gpu_layers
+    return parse_gpu_layers(text)
+
+
+LOOKUP_DEFAULT = 10
+
+
+def _add_speculative_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (the output stays exactly the same)")
+    g.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
+                   help="prompt lookup: draft up to N tokens by matching the last tokens "
+                        f"against the prompt and the text so far (default {LOOKUP_DEFAULT})")
+    g.add_argument("--no-lookup", action="store_true", help="no prompt lookup")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a draft model (GGUF path or known name) with the same vocabulary")
+    g.add_argument("--draft-max", type=int, default=8, metavar="K",
+                   help="most tokens the draft model drafts per step (default 8)")
+
+
+def _speculative_settings(args) -> dict:
+    """LoadSettings fields for speculation (run, chat and serve: lookup on by default)."""
+    from localllm.generation.speculative import MAX_DRAFT
+    if not 1 <= args.lookup <= MAX_DRAFT:
+        raise ValueError(f"--lookup must be in 1..{MAX_DRAFT}, got {args.lookup}")
+    if not 1 <= args.draft_max <= MAX_DRAFT:
+        raise ValueError(f"--draft-max must be in 1..{MAX_DRAFT}, got {args.draft_max}")
+    return dict(lookup=0 if args.no_lookup else args.lookup, draft=args.draft,
+                draft_max=args.draft_max)
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="tokens to generate (-1: until end of text or context)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="llm", description="Run GGUF language models locally.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="generate from one prompt and exit")
+    run.add_argument("model", nargs="?", default=None,
+                     help="GGUF path or known model name (default: smollm2-135m)")
+    src = run.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="the prompt ('-' reads standard input)")
+    src.add_argument("-f", "--file", help="read the prompt from a file")
+    run.add_argument("-sys", "--system", default=None, help="system message (chat models)")
+    run.add_argument("--raw", action="store_true",
+                     help="no chat template: continue the text (the default for models whose "
+                          "file has no chat template, unless --chat-template or --system)")
+    run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
+    run.add_argument("--context-shift", action="store_true",
+                     help="when the chat does not fit, drop its oldest turns (said on stderr)")
+    _add_model_options(run)
+    _add_speculative_options(run)
+    _add_sampling_options(run)
+
+    ppl = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp measures it")
+    ppl.add_argument("model", nargs="?", default=None, help="GGUF path or known model name")
+    ppl.add_argument("-f", "--file", required=True, help="the text to score")
+    ppl.add_argument("--kv-compare", default=None, metavar="TYPE",
+                     help="also score with this KV type (keys and values) against f16")
+    ppl.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_model_options(ppl)
+
+    _add_serve_parser(sub)
+
+    chat = sub.add_parser("chat", help="a terminal chat with branching history")
+    chat.add_argument("model", nargs="?", default=None,
+                      help="GGUF path or known model name (default: smollm2-135m, or the "
+                           "resumed conversation's)")
+    chat.add_argument("-sys", "--system", default=None, help="system prompt")
+    which = chat.add_mutually_exclusive_group()
+    which.add_argument("--list", action="store_true", help="list saved conversations and exit")
+    which.add_argument("--resume", nargs="?", const="latest", default=None, metavar="ID",
+                       help="reopen a saved conversation (default: the latest)")
+    _add_model_options(chat)
+    _add_speculative_options(chat)
+    _add_sampling_options(chat)
+
+    pull = sub.add_parser("pull", help="download a known model into the cache")
+    pull.add_argument("name")
+    pull.add_argument("--models-dir", default=None)
+
+    ls = sub.add_parser("list", help="models in the cache")
+    ls.add_argument("--models-dir", default=None)
+
+    insp = sub.add_parser("inspect", help="metadata, tensors and memory of a model")
+    insp.add_argument("model")
+    insp.add_argument("--models-dir", default=None)
+    insp.add_argument("--all", action="store_true", help="print every metadata key in full")
+    insp.add_argument("--plan", action="store_true",
+                      help="print the memory plan per device (weights, KV, scratch) instead")
+    insp.add_argument("-c", "--ctx-size", type=int, default=0,
+                      help="context size the plan is for (default: min(4096, the model's))")
+    kv = "KV cache type the plan is for (default f16)"
+    insp.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help=kv)
+    insp.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help=kv)
+    insp.add_argument("-b", "--batch-size", type=_positive_int, default=256,
+                      help="prompt tokens per forward pass (default 256)")
+    _add_split_options(insp)
+    return ap
+
+
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="a local OpenAI-compatible endpoint")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="GGUF path or known model name (default: smollm2-135m)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; others need an API key)")
+    srv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free)")
+    key = srv.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="bearer token clients must send")
+    key.add_argument("--api-key-file", default=None, help="read the API key from a file")
+    srv.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                     help="Host header to accept besides loopback names (repeatable; '*': any)")
+    srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="browser origin allowed to call the API (repeatable; default: none)")
+    srv.add_argument("--parallel", type=_positive_int, default=1,
+                     help="requests generated together in each forward pass (default 1)")
+    srv.add_argument("--max-queue", type=int, default=16,
+                     help="requests waiting beyond --parallel; past that 503 (default 16)")
+    srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
+                     help="largest request body (default 4 MiB)")
+    srv.add_argument("--max-connections", type=_positive_int, default=256, metavar="N",
+                     help="open connections at most; past that 503 (default 256)")
+    srv.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="time a client has to send a request's head, and at most between "
+                          "parts of its body (default 10)")
+    srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    _add_model_options(srv)
+    _add_speculative_options(srv)
+    _add_sampling_options(srv)
+
+
+# ----------------------------------------------------------------------------- run
+
+def _read_prompt(args) -> str:
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if args.prompt is None:
+        raise ValueError("no prompt: give -p PROMPT, -f FILE, or pipe text on standard input")
+    return args.prompt
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos,
+                max_tokens=args.n_predict if args.n_predict >= 0 else 1 << 62)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (VmHWM on Linux: unlike ru_maxrss it is
+    not inherited across exec from the parent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+class _CompileLine:
+    """The stderr line shown while a first run compiles kernels: rewritten in place with the
+    elapsed time on a terminal, one line per finished group otherwise."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.shown = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == total == self.shown:
+            return
+        text = (f"compiling kernels for this CPU (first run only): {done}/{total}, "
+                f"{time.perf_counter() - self.start:.0f} s")
+        if sys.stderr.isatty():
+            sys.stderr.write("\r" + text + ("\n" if done == total else ""))
+        elif done != self.shown:
+            sys.stderr.write(text + "\n")
+        self.shown = done
+        sys.stderr.flush()
+
+
+def cmd_run(args) -> int:
+    from localllm.api import load
+    prompt = _read_prompt(args)
+    sampling = _sampling(args)
+    from localllm.generation.sampling import SamplingParams
+    SamplingParams(**sampling).validate()
+    settings = _model_settings(args) | _speculative_settings(args)
+    t0 = time.perf_counter()
+    model = load(args.model, **settings, compile_progress=_CompileLine())
+    load_s = time.perf_counter() - t0
+    # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
+    # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
+    chat = not args.raw and (model.template.from_file or args.chat_template is not None
+                             or args.system is not None)
+    if not chat:
+        stream = model.generate(prompt, **sampling)
+    else:
+        messages = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": prompt})
+        stream = model.chat(messages, context_shift=args.context_shift, **sampling)
+    out = sys.stdout
+    dropped = 0
+    for piece in stream:
+        if stream.stats.dropped_messages > dropped:
+            dropped = stream.stats.dropped_messages
+            print(f"context shift: dropped the {dropped} oldest message(s) to fit the "
+                  f"{model.ctx}-token context", file=sys.stderr)
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    if args.verbose:
+        s, kv = stream.stats, model.kv_stats()
+        mb = 1 << 20
+        print(model.plan.format(), file=sys.stderr)
+        print(f"load: {load_s:.2f} s ({model.path.name}, {model.plan.summary()}, ctx {model.ctx})\n"
+              f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s "
+              f"({s.prompt_tps:.1f} tok/s), {s.cached_tokens} cached\n"
+              f"generated: {s.generated_tokens} tokens in {s.generate_seconds:.3f} s "
+              f"({s.generate_tps:.1f} tok/s), finish: {s.finish_reason}\n"
+              f"time to first token: {s.time_to_first_token:.3f} s\n"
+              f"{_speculation_line(s, model)}"
+              f"seed: {s.seed}\n"
+              f"kv cache: {kv.k_type}/{kv.v_type}, {kv.bytes_per_token} bytes per token, "
+              f"blocks of {kv.block_size}: {kv.blocks_used} used, {kv.blocks_cached} cached, "
+              f"{kv.blocks_free} free of {kv.blocks_total} "
+              f"({kv.blocks_total * kv.block_size * kv.bytes_per_token / mb:.0f} MB limit)\n"
+              f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
+    return 0
+
+
+def _speculation_line(s, model) -> str:
+    """The -v line on drafts: acceptance, tokens per model pass, measured speedup."""
+    kinds = ["prompt lookup"] if model.settings.lookup else []
+    if model.draft is not None:
+        kinds.append(f"draft {model.draft.path.name}")
+    if not kinds:
+        return "speculation: off\n"
+    speed = f"{s.speedup:.2f}x" if s.speedup else "n/a"
+    return (f"speculation ({', '.join(kinds)}): {s.accepted_tokens}/{s.draft_tokens} drafted "
+            f"tokens accepted ({100 * s.acceptance_rate:.0f}%), {s.tokens_per_pass:.2f} tokens "
+            f"per pass over {s.decode_passes} passes, speedup {speed} over plain decoding\n")
+
+
+def cmd_perplexity(args) -> int:
+    from localllm.api import load
+    from localllm.generation.perplexity import perplexity
+    with open(args.file, encoding="utf-8") as f:
+        text = f.read()
+    settings = _model_settings(args)
+    if not args.ctx_size:
+        settings["ctx_size"] = 512  # llama.cpp's perplexity default
+    model = load(args.model, **settings)
+    compare = [model.with_kv(args.kv_compare, args.kv_compare)] if args.kv_compare else []
+    if compare and (model.kv.k_type, model.kv.v_type) != ("f16", "f16"):
+        raise ValueError("--kv-compare compares against f16: leave -ctk/-ctv at f16")
+    ids = model.tokenize(text)
+    print(f"{model.path.name}: {len(ids)} tokens, {len(ids) // model.ctx} windows of "
+          f"{model.ctx}, KV {model.kv.k_type}/{model.kv.v_type}"
+          + (f", compared with {args.kv_compare}" if compare else ""), file=sys.stderr)
+
+    def progress(done, total, tps, ppl):
+        print(f"\r[{done}/{total}] {tps:.0f} tok/s, PPL so far {ppl:.4f}", end="",
+              file=sys.stderr, flush=True)
+    r = perplexity(model, ids, model.ctx, compare, progress)
+    print(file=sys.stderr)
+    if args.json:
+        import json
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"Final estimate: PPL = {r['ppl']:.4f} +/- {r['ppl_err']:.5f} "
+          f"({r['tokens_scored']} tokens in {r['windows']} windows, {r['seconds']:.1f} s)")
+    for c in r["compare"]:
+        print(f"KV {c['kv_type']}: PPL = {c['ppl']:.4f} +/- {c['ppl_err']:.5f}, "
+              f"dPPL = {c['delta_ppl']:+.4f} ({100 * math.expm1(c['ln_ppl_ratio']):+.2f}% "
+              f"+/- {100 * c['ln_ppl_ratio_err']:.2f}%), mean KL = {c['mean_kl']:.6f} "
+              f"+/- {c['mean_kl_err']:.6f}, top-1 agreement {100 * c['top1_agreement']:.2f}%")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    try:
+        from .server import ServerSettings, serve
+        from localllm.apps.server.settings import read_api_key
+    except ImportError as e:
+        raise ValueError(f"llm serve needs the server extra ({e.name} is missing): "
+                         "pip install 'localllm[server]'") from None
+    from localllm.generation.sampling import SamplingParams
+    sampling = _sampling(args)
+    SamplingParams(**sampling).validate()
+    key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+    return serve(ServerSettings(
+        model=args.model, host=args.host, port=args.port, api_key=key,
+        allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
+        max_queue=args.max_queue, max_body=args.max_body,
+        max_connections=args.max_connections, request_timeout=args.request_timeout,
+        load=_model_settings(args) | _speculative_settings(args),
+        sampling=sampling, verbose=args.verbose))
+
+
+# ----------------------------------------------------------------------------- chat
+
+def cmd_chat(args) -> int:
+    try:
+        from localllm.apps.tui.chat_cli import list_conversations, run_chat
+    except ImportError as e:
+        raise ValueError(f"llm chat needs textual ({e.name} is not installed): "
+                         "pip install 'localllm[chat]'") from None
+    if args.list:
+        return list_conversations()
+    sampling = _sampling(args)
+    from localllm.generation.sampling import SamplingParams
+    SamplingParams(**sampling).validate()
+    if args.n_predict < 0:
+        sampling["max_tokens"] = -1   # until end of text or a full context
+    return run_chat(args.model, _model_settings(args) | _speculative_settings(args), sampling,
+                    args.system, args.resume)
+
+
+# ----------------------------------------------------------------------------- pull / list / inspect
+
+def cmd_pull(args) -> int:
+    from localllm.api import load
+    from localllm.formats.fetch import fetch
+    path = fetch(args.name, args.models_dir)
+    # Build its kernels and repacked weights now, so that its first run starts at once.
+    load(path, models_dir=args.models_dir, compile_progress=_CompileLine()).close()
+    print(path)
+    return 0
+
+
+def _describe(path) -> dict:
+    from localllm.formats.gguf import GGUFFile
+    from localllm.formats.inspect import describe
+    with GGUFFile(path) as f:
+        return describe(f)
+
+
+def cmd_list(args) -> int:
+    from localllm.formats.fetch import KNOWN_MODELS, cache_dir, list_cached
+    files = list_cached(args.models_dir)
+    if not files:
+        print(f"no models in {cache_dir(args.models_dir)}; try `llm pull {next(iter(KNOWN_MODELS))}`",
+              file=sys.stderr)
+        return 0
+    names = {m.filename: m.name for m in KNOWN_MODELS.values()}
+    rows = [("NAME", "SIZE", "ARCH", "QUANT", "FILE")]
+    for p in files:
+        try:
+            d = _describe(p)
+            arch, quant = d["architecture"], d["quant"]
+        except Exception as e:  # a broken file in the cache is listed, not fatal
+            arch, quant = "?", f"unreadable: {e}"
+        rows.append((names.get(p.name, p.stem), f"{p.stat().st_size / 1e6:.0f} MB", arch, quant, str(p)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from localllm.formats.fetch import resolve_model_path
+    from localllm.formats.inspect import format_description
+    path = resolve_model_path(args.model, args.models_dir, download=False)
+    if args.plan:
+        from localllm.api import LoadSettings, plan_model
+        from localllm.formats.gguf import GGUFFile
+        if args.ctx_size < 0:
+            raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+        settings = LoadSettings(ctx_size=args.ctx_size, batch_size=args.batch_size,
+                                ctk=args.cache_type_k, ctv=args.cache_type_v,
+                                backend=args.backend, gpu_layers=_gpu_layers(args.gpu_layers),
+                                models_dir=args.models_dir)
+        with GGUFFile(path) as f:
+            print(f"{path.name}:\n{plan_model(f, settings)[0].format()}")
+        return 0
+    print(format_description(path, _describe(path), show_all=args.all))
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+def _error_types():
+    from localllm.formats.fetch import FetchError
+    from localllm.formats.gguf import GGUFError
+    errors = [OSError, ValueError, FetchError, GGUFError, KeyError, TypeError, MemoryError]
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help(sys.stderr)
+        return EXIT_USAGE
+    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve,
+               "perplexity": cmd_perplexity, "pull": cmd_pull, "list": cmd_list,
+               "inspect": cmd_inspect}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`); nothing more to say.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except _error_types() as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, FileNotFoundError) and e.filename:
+            msg = f"no such file: {e.filename}"
+        sys.stderr.write(f"error: {msg}\n")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

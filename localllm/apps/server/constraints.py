@@ -1,0 +1,45 @@
+"""JSON output as token constraints: one compiled per output format (the server has one model)
+and copied for each choice; copies share the masks they learn, so a schema that comes again
+pays for its first masks once."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+from localllm.generation.constrain import GrammarError, TokenConstraint
+from .errors import APIError
+from .runs import OutputFormat
+
+
+class Constraints:
+    """The latest formats' compiled constraints, oldest dropped first (worker thread only)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._items: OrderedDict[str, TokenConstraint] = OrderedDict()
+
+    def get(self, model, fmt: OutputFormat) -> TokenConstraint:
+        """The constraint of a format, never advanced itself: give each choice a copy().
+
+        Raises:
+            APIError: 400 for a schema the grammar compiler does not support, naming why.
+        """
+        key = fmt.kind if fmt.kind == "json_object" else json.dumps(fmt.schema, sort_keys=True)
+        c = self._items.get(key)
+        if c is not None:
+            self._items.move_to_end(key)
+            return c
+        try:
+            if fmt.kind == "json_object":
+                c = TokenConstraint.json_object(model.token_vocab)
+            else:
+                c = TokenConstraint.json_schema(fmt.schema, model.token_vocab)
+        except (GrammarError, RecursionError) as e:
+            reason = str(e) if isinstance(e, GrammarError) else "the schema is nested too deeply"
+            raise APIError(400, f"{fmt.param}: {reason}", "unsupported_schema",
+                           fmt.param) from None
+        self._items[key] = c
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return c

@@ -1,0 +1,360 @@
+"""The CPU backend: Numba kernels over weights repacked from GGUF quant blocks.
+
+It is the reference the other backends are held to. Every operation is batch-invariant: a
+token's result does not depend on the other tokens computed with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from localllm.formats.dequant import dequantize
+from localllm.formats.quants import row_nbytes
+from localllm.kernels import attention as attn_k
+from localllm.kernels.direct import DirectCall, fingerprint
+from localllm.kernels import kvpages
+from localllm.kernels import matmul as mm
+from localllm.kernels import ops
+
+from . import cpu_block
+from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
+from .cpu_store import PackedStore
+from .host import RopeTables
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+def _balance(k_balance) -> np.ndarray:
+    """A BlockSpec's key balance as the kernels take it (empty for none)."""
+    return _EMPTY if k_balance is None else np.asarray(k_balance, np.float32)
+
+
+# The fused block without Numba's per-call dispatch (kernels/direct.py).
+_BLOCK = DirectCall(cpu_block.decoder_block)
+
+
+def _block_args(w, spec) -> tuple:
+    """The fused kernel's BlockArrays and BlockConfig for a BlockWeights and BlockSpec."""
+    vec = lambda a: _EMPTY if a is None else a  # noqa: E731
+    weights = cpu_block.BlockArrays(
+        attn_norm=w.attn_norm, wq=w.wq.packed, wk=w.wk.packed, wv=w.wv.packed, bq=vec(w.bq),
+        bk=vec(w.bk), bv=vec(w.bv), q_norm=vec(w.q_norm), k_norm=vec(w.k_norm),
+        wo=w.wo.packed, post_attn_norm=vec(w.post_attn_norm), ffn_norm=w.ffn_norm,
+        w_gate=w.w_gate.packed, w_up=w.w_up.packed, w_down=w.w_down.packed,
+        post_ffn_norm=vec(w.post_ffn_norm), k_balance=_balance(spec.k_balance))
+    cfg = cpu_block.BlockConfig(
+        eps=float(spec.norm_eps), n_heads=spec.n_heads, n_kv=spec.n_kv_heads,
+        hd=spec.head_dim, neox=bool(spec.rope.neox), window=int(spec.window),
+        scale=float(spec.attn_scale), gelu=spec.activation == "gelu_tanh", hidden=w.w_gate.N,
+        q_rows=w.wq.padded_rows, kv_rows=w.wk.padded_rows, f_rows=w.w_gate.padded_rows,
+        d_rows=w.wo.padded_rows)
+    if spec.activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {spec.activation}")
+    return weights, cfg
+
+# A decode step runs many short parallel regions: OpenMP workers that sleep between them
+# cost ~70 us each to wake, so they spin a while first (~2 us per region when the cores are
+# free). Spinning without limit (OMP_WAIT_POLICY=ACTIVE) stalls badly when another process
+# holds a core (~0.2-0.5 ms per region, measured); a bounded spin keeps that near 10 us.
+# Read by libgomp when Numba loads its OpenMP layer (the first parallel kernel call).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+
+
+@dataclass
+class Embedding:
+    """Token embedding rows kept as GGUF blocks; rows are dequantized on lookup."""
+    type_name: str
+    rows: np.ndarray  # uint8 (vocab, row_bytes), usually a view of the mapped file
+    dim: int
+
+
+@dataclass
+class KVPages:
+    """One layer's KV pages: flat byte arrays in the kernels' page layout (kernels/kvpages.py),
+    mapped lazily, so memory is taken only as blocks are first written."""
+    layout: KVLayout
+    K: tuple        # kvpages.Pages<type>
+    V: tuple
+    k_block: int    # bytes of one block's keys, of its values
+    v_block: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.K.a.size + self.V.a.size - 2 * kvpages.PAD
+
+
+def _block_nbytes(layout: KVLayout) -> tuple[int, int]:
+    hd, n = layout.head_dim, layout.n_kv_heads
+    return (n * layout.block_size // 16 * kvpages.k_group_nbytes(layout.k_type, hd),
+            n * layout.block_size * kvpages.v_row_nbytes(layout.v_type, hd))
+
+
+def _lazy_bytes(n: int) -> np.ndarray:
+    """A zeroed byte array whose pages the OS maps only when first touched."""
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n]
+
+
+def set_threads(n: int) -> int:
+    """Set the kernels' thread count (clamped to what Numba started with); returns it."""
+    import numba
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+# glibc's mallopt parameters (malloc.h), and the values keep_scratch_memory sets: the largest
+# mmap threshold glibc takes on 64-bit hosts, and what may stay free at the top of a heap.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 256 << 20
+
+
+def keep_scratch_memory(system: str | None = None) -> bool:
+    """Keep freed blocks of up to 32 MB in the process instead of unmapping them (glibc).
+
+    Every kernel call allocates its scratch (activations, attention scores) with malloc, and
+    glibc serves blocks above its mmap threshold (128 KB at first) from fresh mappings that it
+    unmaps on free: the next call faults every page in again, zeroed by the OS. A 256-token
+    prompt chunk of SmolLM2-135M took some 32,000 page faults that way, a third of its time on
+    a 2-core VM. With blocks up to 32 MB taken from the heap, and up to 256 MB free at a
+    heap's top kept rather than trimmed, the same chunk takes none. The peak of memory in use
+    is unchanged; what was freed stays mapped for the next call.
+
+    Returns:
+        Whether the allocator took the settings (False off glibc: macOS, musl).
+    """
+    if (system or platform.system()) != "Linux":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
+
+
+class CpuBackend:
+    """Backend on the host CPU."""
+
+    name = "cpu"
+    device = "cpu"
+    copies_weights = True  # matrices are repacked, so the file's pages can be dropped
+
+    def __init__(self, threads: int | None = None, fused: bool = True,
+                 weight_cache: str | os.PathLike | None = None):
+        """Args:
+            threads: kernel threads (None: Numba's default).
+            fused: run decoder blocks as one kernel call (same bits as op by op).
+            weight_cache: directory for repacked-weight files reused across loads (None: off).
+        """
+        if threads:
+            set_threads(threads)
+        keep_scratch_memory()
+        self._rope = RopeTables()  # cos/sin per RopeSpec, grown as positions are seen
+        self._blocks: dict[int, tuple] = {}
+        self._weight_cache = weight_cache
+        self._store = None
+        self._rope_memo = None
+        self._held = 0
+        self._tile_bytes: dict[tuple[str, int], int] = {}
+        # False: blocks run op by op (models/block.py's reference composition); same bits.
+        self.fused_blocks = fused
+
+    # ---- memory --------------------------------------------------------------------
+
+    def memory_info(self) -> MemoryInfo:
+        import psutil
+        vm = psutil.virtual_memory()
+        return MemoryInfo("host", int(vm.available), int(vm.total))
+
+    def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
+        """Packed bytes: the kernels' layout per 16-row tile (measured once per format and
+        row length by packing one empty tile), times the tiles."""
+        key = (type_name, K)
+        if key not in self._tile_bytes:
+            rows = np.zeros(16 * row_nbytes(type_name, K), np.uint8)
+            self._tile_bytes[key] = mm.pack(type_name, rows, 16, K).nbytes
+        return -(-N // 16) * self._tile_bytes[key]
+
+    def plan_scratch_nbytes(self, largest: int) -> int:
+        return 0  # the kernels read the packed blocks directly
+
+    def held_nbytes(self) -> int:
+        return self._held
+
+    # ---- weights -------------------------------------------------------------------
+
+    def begin_model(self, gguf_path) -> None:
+        """Look for (or start) the repacked-weight file of the model about to be loaded."""
+        if self._weight_cache is not None:
+            self._store = PackedStore(self._weight_cache, gguf_path)
+
+    def end_model(self) -> None:
+        """Write the repacked-weight file if this load had to pack."""
+        if self._store is not None:
+            self._store.save()
+            self._store = None
+
+    def upload_matrix(self, name, type_name, raw, N, K, done=None):
+        store = self._store
+        if store is not None:
+            w = store.get(name, type_name, N, K)
+            if w is not None:
+                self._held += w.nbytes
+                return w
+        w = mm.pack(type_name, raw, N, K, done)
+        if store is not None:
+            store.add(name, w)
+        self._held += w.nbytes
+        return w
+
+    def upload_vector(self, values):
+        v = np.ascontiguousarray(values, dtype=np.float32)
+        self._held += v.nbytes
+        return v
+
+    def upload_embedding(self, type_name: str, rows: np.ndarray, dim: int) -> Embedding:
+        return Embedding(type_name, rows, dim)
+
+    def matrix_nbytes(self, w) -> int:
+        return int(w.nbytes)
+
+    def embed(self, table: Embedding, ids, scale: float = 1.0):
+        ids = np.asarray(ids, np.int64)
+        rows = np.ascontiguousarray(table.rows[ids])
+        x = dequantize(rows.reshape(-1), table.type_name, (len(ids), table.dim))
+        if scale != 1.0:
+            x *= np.float32(scale)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    # ---- math ----------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps):
+        out = np.empty_like(x)
+        ops.rms_norm(x, weight, eps, out)
+        return out
+
+    def linear(self, x, weights, biases=None):
+        kinds = {mm.needs(w) for w in weights}
+        act = mm.quantize(x, need32="q32" in kinds, need256="q256" in kinds)
+        outs = [mm.matmul(w, act) for w in weights]
+        if biases is not None:
+            for y, b in zip(outs, biases):
+                if b is not None:
+                    y += b
+        return outs
+
+    def head_norm(self, x, n_heads, weight, eps):
+        x = np.ascontiguousarray(x)
+        ops.rms_norm_heads(x.reshape(x.shape[0], n_heads, -1), weight, eps)
+        return x
+
+    def rope(self, x, n_heads, positions, spec: RopeSpec):
+        x = np.ascontiguousarray(x)
+        cos, sin = self._rope.lookup(positions, spec)
+        ops.rope(x.reshape(x.shape[0], n_heads, -1), cos, sin, spec.neox)
+        return x
+
+    # ---- KV pages --------------------------------------------------------------------
+
+    @staticmethod
+    def kv_block_nbytes(layout: KVLayout) -> int:
+        return sum(_block_nbytes(layout))
+
+    def new_kv_pages(self, layout: KVLayout, n_blocks: int) -> KVPages:
+        for t in (layout.k_type, layout.v_type):
+            kvpages.check_head_dim(t, layout.head_dim)
+        if layout.block_size <= 0 or layout.block_size % attn_k.KEYS_PER_BLOCK:
+            raise ValueError(f"KV block size must be a positive multiple of "
+                             f"{attn_k.KEYS_PER_BLOCK}, got {layout.block_size}")
+        kb, vb = _block_nbytes(layout)
+        K = kvpages.PAGE_CLASSES[layout.k_type](_lazy_bytes(n_blocks * kb + kvpages.PAD))
+        V = kvpages.PAGE_CLASSES[layout.v_type](_lazy_bytes(n_blocks * vb + kvpages.PAD))
+        pages = KVPages(layout, K, V, kb, vb)
+        self._held += pages.nbytes
+        return pages
+
+    def copy_kv_block(self, pages: KVPages, src: int, dst: int) -> None:
+        n_kv = pages.layout.n_kv_heads
+        for arr, nb in ((pages.K.a, pages.k_block), (pages.V.a, pages.v_block)):
+            per = nb // n_kv  # a block's bytes of one head: heads are laid out apart
+            n_blocks = (arr.size - kvpages.PAD) // nb
+            for h in range(n_kv):
+                a = (h * n_blocks + src) * per
+                b = (h * n_blocks + dst) * per
+                arr[b:b + per] = arr[a:a + per]
+
+    def _paged(self, kv: LayerKV) -> attn_k.PagedKV:
+        p = kv.pages
+        return attn_k.PagedKV(p.K, p.V, kv.tables, kv.row_seq, kv.block_size,
+                              p.layout.n_kv_heads)
+
+    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+                  k_balance=None):
+        pk = self._paged(kv)
+        # copies: the kernel works in place on its scratch
+        q, k, v = (np.array(a, np.float32, order="C") for a in (q, k, v))
+        out = np.empty_like(q)
+        attn_k.paged_attention(q, k, v, pk.K, pk.V, pk.tables, pk.row_seq, pk.block_size,
+                               pk.n_kv, np.asarray(positions, np.int64), int(window),
+                               float(scale), _balance(k_balance), out)
+        return out
+
+    def decoder_block(self, x, w, spec, positions, kv: LayerKV):
+        """One whole decoder block in a single Numba call (see models/block.py)."""
+        entry = self._blocks.get(id(w))
+        if entry is None or entry[0] is not w:
+            args = _block_args(w, spec)
+            entry = (w, args, fingerprint(args))
+            self._blocks[id(w)] = entry
+        weights, cfg = entry[1]
+        # Every layer of one forward pass sees the same positions: look the rotary tables
+        # up once per (positions, spec) rather than once per layer.
+        memo = self._rope_memo
+        if memo is None or memo[0] is not positions or memo[1] is not spec.rope:
+            cos, sin = self._rope.lookup(positions, spec.rope)
+            memo = self._rope_memo = (positions, spec.rope, cos, sin,
+                                      np.asarray(positions, np.int64))
+        x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel
+        p = kv.pages
+        # What decides the compiled version: the layer's argument types, and those of the
+        # arrays that change from call to call.
+        key = (entry[2], type(p.K), type(p.V), fingerprint(
+            (x, kv.tables, kv.row_seq, memo[4], memo[2], memo[3], p.K.a, p.V.a)))
+        _BLOCK(key, x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
+        return x
+
+    def glu(self, gate, up, act):
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown activation {act}")
+        out = np.empty_like(gate)
+        ops.glu(gate, up, out, act == "gelu_tanh")
+        return out
+
+    def add(self, x, y):
+        ops.add_inplace(x, y)
+        return x
+
+    def select_rows(self, x, rows: Sequence[int]):
+        return np.ascontiguousarray(x[np.asarray(rows, np.int64)])
+
+    def to_numpy(self, x):
+        return x
+
+    def from_numpy(self, x):
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def logsumexp(self, logits) -> float:
+        """log(sum(exp(logits))) of one row, vectorized (for the chosen token's log-prob)."""
+        return float(ops.logsumexp(np.ascontiguousarray(logits, dtype=np.float32)))

@@ -1,0 +1,285 @@
+"""The MLX backend: layers on Metal on Apple Silicon, or on MLX's CPU device elsewhere (where
+it stands in for the GPU in tests).
+
+Weights in formats that map exactly onto MLX's affine quantization stay quantized and run
+through mx.quantized_matmul (mlx_quant.py); the others are quantized again by MLX. Compute
+and scales are float32, which keeps the exact mappings exact. KV pages are MLX arrays in
+every KV type (mlx_kv.py), q8_0 and q4_0 Hadamard-rotated as the CPU backend's; attention
+gathers each sequence's pages per call.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from localllm.formats.quants import row_nbytes
+
+from . import mlx_kv, mlx_quant
+from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
+from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
+
+_GELU_K1 = -2.0 * 0.7978845608028654
+_GELU_K3 = _GELU_K1 * 0.044715
+
+
+@dataclass
+class MlxMatrix:
+    """A weight matrix (N out, K in): quantized (wq, scales, biases at ``bits``) or dense."""
+    type_name: str
+    N: int
+    K: int
+    bits: int               # 0: dense float ``w``
+    wq: mx.array | None
+    scales: mx.array | None
+    biases: mx.array | None
+    w: mx.array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.bits == 0:
+            return self.w.nbytes
+        return self.wq.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
+def metal_available() -> bool:
+    """Whether MLX can use a Metal GPU."""
+    return mx.metal.is_available()
+
+
+def on_apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def convert(raw: np.ndarray, type_name: str, N: int, K: int,
+            convert_bits: dict | None = None) -> MlxMatrix:
+    """A GGUF matrix in the MLX backend's form (see mlx_quant); ``convert_bits`` overrides
+    mlx_quant.CONVERT_BITS for the formats MLX cannot hold exactly."""
+    if type_name in mlx_quant.EXACT:
+        p = mlx_quant.to_mlx_exact(raw, type_name, N, K)
+        return MlxMatrix(type_name, N, K, p.bits, mx.array(p.wq), mx.array(p.scales),
+                         mx.array(p.biases))
+    if type_name in mlx_quant.FLOAT:
+        dtype = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}[type_name]
+        rows = [mx.array(r).astype(dtype) for r in mlx_quant.dequantized_rows(raw, type_name,
+                                                                             N, K)]
+        return MlxMatrix(type_name, N, K, 0, None, None, None, mx.concatenate(rows))
+    bits = (convert_bits or mlx_quant.CONVERT_BITS)[type_name]
+    parts = []
+    for rows in mlx_quant.dequantized_rows(raw, type_name, N, K):
+        part = mx.quantize(mx.array(rows), group_size=mlx_quant.GROUP, bits=bits)
+        mx.eval(part)
+        parts.append(part)
+    wq, scales, biases = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+    return MlxMatrix(type_name, N, K, bits, wq, scales, biases)
+
+
+def dequantize(w: MlxMatrix, rows: mx.array | None = None) -> mx.array:
+    """The matrix (or some of its rows) as float32, as MLX computes with it."""
+    if w.bits == 0:
+        return (w.w if rows is None else w.w[rows]).astype(mx.float32)
+    wq, s, b = (w.wq, w.scales, w.biases) if rows is None else (w.wq[rows], w.scales[rows],
+                                                                 w.biases[rows])
+    return mx.dequantize(wq, s, b, group_size=mlx_quant.GROUP, bits=w.bits)
+
+
+class MlxBackend:
+    """Backend on MLX's default device (Metal when available)."""
+
+    name = "mlx"
+    fused_blocks = False
+    copies_weights = True
+
+    def __init__(self, convert_bits: dict | None = None):
+        """Args:
+            convert_bits: MLX bits per converted format (None: mlx_quant.CONVERT_BITS).
+
+        It computes on MLX's default device: the GPU where Metal is available.
+        """
+        self.convert_bits = dict(convert_bits or mlx_quant.CONVERT_BITS)
+        self.gpu = mx.default_device() == mx.gpu
+        self.device = "metal" if self.gpu else "mlx-cpu"
+        self._rope = RopeTables()
+        self._plans = PlanCache()
+        self._held = 0
+
+    # ---- memory ----------------------------------------------------------------------
+
+    def memory_info(self) -> MemoryInfo:
+        # Apple Silicon's GPU memory is the host's: one pool, capped by Metal's working set.
+        import psutil
+        vm = psutil.virtual_memory()
+        free = int(vm.available)
+        if self.gpu:
+            limit = int(mx.device_info().get("max_recommended_working_set_size", free))
+            free = min(free, limit - int(mx.get_active_memory()))
+        return MemoryInfo("host", free, int(vm.total))
+
+    def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
+        return mlx_quant.packed_nbytes(type_name, N, K, self.convert_bits)
+
+    def plan_scratch_nbytes(self, largest: int) -> int:
+        return 0  # quantized_matmul reads the packed weights directly
+
+    def held_nbytes(self) -> int:
+        return self._held
+
+    # ---- weights ---------------------------------------------------------------------
+
+    def begin_model(self, gguf_path) -> None:
+        pass
+
+    def end_model(self) -> None:
+        pass
+
+    def upload_matrix(self, name, type_name, raw, N, K, done=None):
+        w = convert(raw, type_name, N, K, self.convert_bits)
+        mx.eval(*(a for a in (w.wq, w.scales, w.biases, w.w) if a is not None))
+        if done is not None:
+            done(0, N * row_nbytes(type_name, K))
+        self._held += w.nbytes
+        return w
+
+    def upload_vector(self, values):
+        v = mx.array(np.ascontiguousarray(values, dtype=np.float32))
+        self._held += v.nbytes
+        return v
+
+    def upload_embedding(self, type_name, rows, dim):
+        w = convert(np.asarray(rows).reshape(-1), type_name, rows.shape[0], dim,
+                    self.convert_bits)
+        self._held += w.nbytes
+        return w
+
+    def matrix_nbytes(self, w: MlxMatrix) -> int:
+        return w.nbytes
+
+    def embed(self, table: MlxMatrix, ids, scale: float = 1.0):
+        x = dequantize(table, mx.array(np.asarray(ids, np.int32)))
+        return x * np.float32(scale) if scale != 1.0 else x
+
+    # ---- math ------------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps):
+        inv = mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+        return (x * inv) * weight
+
+    def linear(self, x, weights, biases=None):
+        outs = []
+        for i, w in enumerate(weights):
+            if w.bits == 0:
+                y = x @ w.w.astype(mx.float32).T
+            else:
+                y = mx.quantized_matmul(x, w.wq, w.scales, w.biases, transpose=True,
+                                        group_size=mlx_quant.GROUP, bits=w.bits)
+            if biases is not None and biases[i] is not None:
+                y = y + biases[i]
+            outs.append(y)
+        return outs
+
+    def head_norm(self, x, n_heads, weight, eps):
+        n = x.shape[0]
+        return self.rms_norm(x.reshape(n, n_heads, -1), weight, eps).reshape(n, -1)
+
+    def rope(self, x, n_heads, positions, spec: RopeSpec):
+        c, s = self._rope.on_device(positions, spec, lambda a: mx.array(a)[:, None, :])
+        n = x.shape[0]
+        y = x.reshape(n, n_heads, -1)
+        half = c.shape[2]
+        rest = y[..., 2 * half:]
+        if spec.neox:
+            a, b = y[..., :half], y[..., half:2 * half]
+            rot = [a * c - b * s, a * s + b * c]
+        else:
+            pairs = y[..., :2 * half].reshape(n, n_heads, half, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+            rot = [mx.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(n, n_heads, -1)]
+        return mx.concatenate(rot + [rest], axis=-1).reshape(n, -1)
+
+    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+                  k_balance=None):
+        pages = kv.pages
+        lay = pages.layout
+        n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
+        plan = self._plans.get(kv, positions, window,
+                               pages.k.data.shape[0] // lay.block_size)
+        write = mx.array(plan.write.astype(np.int32))
+        q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
+        # q8_0/q4_0 hold balanced, rotated vectors as the CPU pages do (paged_attention)
+        turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
+        if turn_k:
+            if k_balance is not None:  # powers of two per dim: exact, as the CPU's
+                d = mx.array(np.asarray(k_balance, np.float32))
+                q3, k3 = q3 * d, k3 / d
+            q3, k3 = mlx_kv.rotate(q3), mlx_kv.rotate(k3)
+        pages.k.write(write, k3)
+        pages.v.write(write, mlx_kv.rotate(v3) if turn_v else v3)
+        G = n_heads // n_kv
+        parts = []
+        for sq in plan.seqs:
+            slots = mx.array(sq.slots.astype(np.int32))
+            K = pages.k.read(slots).transpose(1, 0, 2)                     # (n_kv, L, hd)
+            V = pages.v.read(slots).transpose(1, 0, 2)
+            n_s = len(sq.rows)
+            qs = q3[mx.array(sq.rows.astype(np.int32))].transpose(1, 0, 2)  # (H, n_s, hd)
+            qs = qs.reshape(n_kv, G * n_s, hd)
+            scores = (qs @ K.transpose(0, 2, 1)).reshape(n_kv, G, n_s, -1) * scale
+            scores = mx.where(mx.array(sq.mask), scores, -math.inf)
+            p = mx.softmax(scores, axis=-1).reshape(n_kv, G * n_s, -1)
+            o = (p @ V).reshape(n_heads, n_s, hd).transpose(1, 0, 2)
+            parts.append((sq.rows, o))
+        if len(parts) == 1 and len(parts[0][0]) == n:
+            out = parts[0][1][mx.array(np.argsort(parts[0][0]).astype(np.int32))]
+        else:
+            out = mx.zeros((n, n_heads, hd), dtype=mx.float32)
+            for rows, o in parts:
+                out[mx.array(rows.astype(np.int32))] = o
+        if turn_v:
+            out = mlx_kv.rotate(out)
+        return out.reshape(n, n_heads * hd)
+
+    def decoder_block(self, x, w, spec, positions, kv):
+        raise NotImplementedError("the MLX backend runs blocks op by op (fused_blocks=False)")
+
+    def glu(self, gate, up, act):
+        if act == "silu":
+            return gate / (1.0 + mx.exp(-gate)) * up
+        if act == "gelu_tanh":
+            return gate / (1.0 + mx.exp(gate * (_GELU_K1 + _GELU_K3 * gate * gate))) * up
+        raise ValueError(f"unknown activation {act}")
+
+    def add(self, x, y):
+        return x + y
+
+    def select_rows(self, x, rows):
+        return x[mx.array(np.asarray(rows, np.int32))]
+
+    def to_numpy(self, x):
+        return np.array(x.astype(mx.float32), copy=True)
+
+    def from_numpy(self, x):
+        return mx.array(np.ascontiguousarray(x, dtype=np.float32))
+
+    def logsumexp(self, logits) -> float:
+        return float(mx.logsumexp(mx.array(np.asarray(logits, np.float32))).item())
+
+    # ---- KV pages --------------------------------------------------------------------
+
+    @staticmethod
+    def kv_block_nbytes(layout: KVLayout) -> int:
+        return kv_block_nbytes(layout)
+
+    def new_kv_pages(self, layout: KVLayout, n_blocks: int):
+        pages = mlx_kv.new_pages(layout, n_blocks)
+        self._held += pages.nbytes
+        return pages
+
+    def copy_kv_block(self, pages, src: int, dst: int) -> None:
+        bs = pages.layout.block_size
+        s, d = mx.arange(src * bs, (src + 1) * bs), mx.arange(dst * bs, (dst + 1) * bs)
+        pages.k.copy(s, d)
+        pages.v.copy(s, d)

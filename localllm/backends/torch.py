@@ -1,0 +1,270 @@
+"""The torch backend: layers on a torch device, CUDA when present, else the CPU (where it
+stands in for a GPU in tests).
+
+Weights stay as their GGUF blocks on the device; a matmul dequantizes them (bit-exact with
+the numpy reference) in chunks of rows into scratch and multiplies in the compute type:
+float16 on CUDA, float32 on the CPU. Activations between operations are float32. KV pages
+live on the device in every KV type (torch_kv.py), q8_0 and q4_0 Hadamard-rotated as the CPU
+backend's; attention gathers each sequence's pages through its block table per call. Results are not batch-invariant (a GPU GEMM's reduction
+order depends on its shape), unlike the CPU backend's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from localllm.formats.quants import row_nbytes
+
+from . import torch_kv
+from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
+from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
+from .torch_quant import dequantize_rows
+
+# Elements of a weight dequantized at once: bounds the scratch (a 262k-row output head is
+# done in slices).
+SCRATCH_ELEMS = 1 << 22
+# Bytes the scratch takes per element while a slice is dequantized and multiplied: the
+# float32 result and its float quants (8), the integer unpacking temporaries (~2), and the
+# compute-type copy where it is not float32.
+_SCRATCH_PER_ELEM = 10
+_GELU_K1 = -2.0 * 0.7978845608028654  # -2 sqrt(2/pi)
+_GELU_K3 = _GELU_K1 * 0.044715
+
+
+@dataclass
+class TorchMatrix:
+    """A weight matrix (N out, K in) as its GGUF rows, uint8 (N, row_bytes), on the device."""
+    type_name: str
+    N: int
+    K: int
+    rows: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel()
+
+
+@dataclass
+class TorchEmbedding:
+    """A token embedding table as GGUF rows on the device, dequantized on lookup."""
+    type_name: str
+    rows: torch.Tensor
+    dim: int
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device."""
+    return torch.cuda.is_available()
+
+
+class TorchBackend:
+    """Backend on a torch device."""
+
+    name = "torch"
+    fused_blocks = False
+    copies_weights = True
+
+    def __init__(self, device: str | None = None, threads: int | None = None,
+                 compute_dtype: torch.dtype | None = None, scratch_elems: int = SCRATCH_ELEMS):
+        """Args:
+            device: a torch device name; None: 'cuda' when available, else 'cpu'.
+            threads: torch's CPU threads (None: torch's default).
+            compute_dtype: matmul type; None: float16 on CUDA, float32 on the CPU.
+            scratch_elems: weight elements dequantized at once.
+        """
+        self.torch_device = torch.device(device or ("cuda" if cuda_available() else "cpu"))
+        if self.torch_device.type == "cuda" and self.torch_device.index is None:
+            self.torch_device = torch.device("cuda", torch.cuda.current_device())
+        self.device = str(self.torch_device)
+        self.dtype = compute_dtype or (torch.float16 if self.torch_device.type == "cuda"
+                                       else torch.float32)
+        if threads and self.torch_device.type == "cpu":
+            torch.set_num_threads(int(threads))
+        self.scratch_elems = int(scratch_elems)
+        self._rope = RopeTables()
+        self._plans = PlanCache()
+        self._held = 0
+
+    # ---- memory ----------------------------------------------------------------------
+
+    def memory_info(self) -> MemoryInfo:
+        if self.torch_device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.torch_device)
+            return MemoryInfo(self.device, int(free), int(total))
+        import psutil
+        vm = psutil.virtual_memory()
+        return MemoryInfo("host", int(vm.available), int(vm.total))
+
+    def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
+        return N * row_nbytes(type_name, K)
+
+    def plan_scratch_nbytes(self, largest: int) -> int:
+        extra = 0 if self.dtype == torch.float32 else torch.finfo(self.dtype).bits // 8
+        return min(largest, self.scratch_elems) * (_SCRATCH_PER_ELEM + extra)
+
+    def held_nbytes(self) -> int:
+        return self._held
+
+    # ---- weights ---------------------------------------------------------------------
+
+    def begin_model(self, gguf_path) -> None:
+        pass
+
+    def end_model(self) -> None:
+        pass
+
+    def _to_device(self, raw: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).to(self.torch_device)
+        self._held += t.numel()
+        return t
+
+    def upload_matrix(self, name, type_name, raw, N, K, done=None):
+        rows = self._to_device(np.asarray(raw).reshape(N, row_nbytes(type_name, K)))
+        if done is not None:
+            done(0, N * row_nbytes(type_name, K))
+        return TorchMatrix(type_name, N, K, rows)
+
+    def upload_vector(self, values):
+        t = torch.as_tensor(np.ascontiguousarray(values, dtype=np.float32)).to(self.torch_device)
+        self._held += t.numel() * 4
+        return t
+
+    def upload_embedding(self, type_name, rows, dim):
+        return TorchEmbedding(type_name, self._to_device(rows), dim)
+
+    def matrix_nbytes(self, w: TorchMatrix) -> int:
+        return w.nbytes
+
+    def embed(self, table: TorchEmbedding, ids, scale: float = 1.0):
+        idx = torch.as_tensor(np.asarray(ids, np.int64), device=self.torch_device)
+        x = dequantize_rows(table.rows[idx], table.type_name, table.dim)
+        return x * np.float32(scale) if scale != 1.0 else x
+
+    # ---- math ------------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps):
+        # As the CPU backend: squares summed in float64, one float32 inverse, (x * inv) * w.
+        ss = x.double().square().mean(-1, keepdim=True)
+        inv = (1.0 / torch.sqrt(ss + eps)).float()
+        return (x * inv) * weight
+
+    def linear(self, x, weights, biases=None):
+        xc = x.to(self.dtype)
+        outs = []
+        for i, w in enumerate(weights):
+            y = torch.empty((x.shape[0], w.N), dtype=torch.float32, device=self.torch_device)
+            step = max(1, self.scratch_elems // w.K)
+            for r in range(0, w.N, step):
+                wd = dequantize_rows(w.rows[r:r + step], w.type_name, w.K).to(self.dtype)
+                y[:, r:r + step] = (xc @ wd.T).float()
+            if biases is not None and biases[i] is not None:
+                y += biases[i]
+            outs.append(y)
+        return outs
+
+    def head_norm(self, x, n_heads, weight, eps):
+        n = x.shape[0]
+        return self.rms_norm(x.reshape(n, n_heads, -1), weight, eps).reshape(n, -1)
+
+    def rope(self, x, n_heads, positions, spec: RopeSpec):
+        c, s = self._rope.on_device(
+            positions, spec, lambda a: torch.from_numpy(a).to(self.torch_device)[:, None, :])
+        n = x.shape[0]
+        y = x.reshape(n, n_heads, -1).clone()
+        half = c.shape[2]
+        if spec.neox:
+            a, b = y[..., :half].clone(), y[..., half:2 * half].clone()
+            y[..., :half] = a * c - b * s
+            y[..., half:2 * half] = a * s + b * c
+        else:
+            a, b = y[..., 0:2 * half:2].clone(), y[..., 1:2 * half:2].clone()
+            y[..., 0:2 * half:2] = a * c - b * s
+            y[..., 1:2 * half:2] = b * c + a * s
+        return y.reshape(n, -1)
+
+    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+                  k_balance=None):
+        pages = kv.pages
+        lay = pages.layout
+        n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
+        plan = self._plans.get(kv, positions, window,
+                               pages.k.data.shape[0] // lay.block_size)
+        dev = self.torch_device
+        write = torch.from_numpy(plan.write).to(dev)
+        q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
+        # q8_0/q4_0 hold balanced, rotated vectors as the CPU pages do (paged_attention)
+        turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
+        if turn_k:
+            if k_balance is not None:  # powers of two per dim: exact, as the CPU's
+                d = torch.tensor(k_balance, dtype=torch.float32, device=dev)
+                q3, k3 = q3 * d, k3 / d
+            q3, k3 = torch_kv.rotate(q3), torch_kv.rotate(k3)
+        pages.k.write(write, k3)
+        pages.v.write(write, torch_kv.rotate(v3) if turn_v else v3)
+        out = torch.empty((n, n_heads, hd), dtype=torch.float32, device=dev)
+        G = n_heads // n_kv
+        for sq in plan.seqs:
+            rows = torch.from_numpy(sq.rows).to(dev)
+            slots = torch.from_numpy(sq.slots).to(dev)
+            K = pages.k.read(slots).permute(1, 0, 2).repeat_interleave(G, dim=0)  # (H, L, hd)
+            V = pages.v.read(slots).permute(1, 0, 2).repeat_interleave(G, dim=0)
+            qs = q3[rows].permute(1, 0, 2)                                         # (H, n_s, hd)
+            mask = torch.from_numpy(sq.mask).to(dev)
+            scores = (qs @ K.transpose(1, 2)) * scale
+            scores = scores.masked_fill(~mask, -math.inf)
+            p = torch.softmax(scores, dim=-1)
+            out[rows] = (p @ V).permute(1, 0, 2)
+        if turn_v:
+            out = torch_kv.rotate(out)
+        return out.reshape(n, n_heads * hd)
+
+    def decoder_block(self, x, w, spec, positions, kv):
+        raise NotImplementedError("the torch backend runs blocks op by op (fused_blocks=False)")
+
+    def glu(self, gate, up, act):
+        if act == "silu":
+            return gate / (1.0 + torch.exp(-gate)) * up
+        if act == "gelu_tanh":
+            g = gate.double()
+            e = torch.exp(g * (_GELU_K1 + _GELU_K3 * g * g)).float()
+            return gate / (1.0 + e) * up
+        raise ValueError(f"unknown activation {act}")
+
+    def add(self, x, y):
+        return x.add_(y)
+
+    def select_rows(self, x, rows):
+        return x[torch.as_tensor(np.asarray(rows, np.int64), device=self.torch_device)]
+
+    def to_numpy(self, x):
+        # A copy: on the CPU device .numpy() would share memory that later in-place adds
+        # change.
+        y = x.float().cpu()
+        return y.numpy().copy() if y.data_ptr() == x.data_ptr() else y.numpy()
+
+    def from_numpy(self, x):
+        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        return t.to(self.torch_device, copy=True)  # never the caller's memory
+
+    def logsumexp(self, logits) -> float:
+        return float(torch.logsumexp(torch.from_numpy(np.asarray(logits, np.float32)), 0))
+
+    # ---- KV pages --------------------------------------------------------------------
+
+    @staticmethod
+    def kv_block_nbytes(layout: KVLayout) -> int:
+        return kv_block_nbytes(layout)
+
+    def new_kv_pages(self, layout: KVLayout, n_blocks: int):
+        pages = torch_kv.new_pages(layout, n_blocks, self.torch_device)
+        self._held += pages.nbytes
+        return pages
+
+    def copy_kv_block(self, pages, src: int, dst: int) -> None:
+        bs = pages.layout.block_size
+        for side in (pages.k, pages.v):
+            side.copy(slice(src * bs, (src + 1) * bs), slice(dst * bs, (dst + 1) * bs))

@@ -1,0 +1,2 @@
+"""GGUF files: the hardened reader, the quant-format table and reference dequantizers,
+fetching models, inspect."""

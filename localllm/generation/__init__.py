@@ -1,0 +1,1 @@
+"""Generation: sampling, the Decoder, speculative decoding, batching, constraints, perplexity."""

@@ -1,0 +1,319 @@
+"""Where a model's layers run and the memory they take: the split of layers between the CPU
+backend and a GPU backend (``-ngl``: the last N layers and the output head on the GPU, as
+llama.cpp places them), and the ledger of weights, KV cache and scratch per device, planned
+from the file's tensor table before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.backends.base import KVLayout
+from localllm.models.common import Placement
+from .sequence import EngineError
+
+BACKENDS = ("auto", "cpu", "torch", "mlx")
+GPU_MARGIN = 512 << 20    # left free on a GPU of its own: driver context, allocator slack
+HOST_MARGIN = 256 << 20   # left free on the host when the KV pool is sized
+POOL_CONTEXTS = 2         # default KV pool: this many full contexts, as memory allows
+_LAYER = re.compile(r"blk\.(\d+)\.")
+_GIB = 1 << 30
+
+
+def parse_gpu_layers(value: Any) -> int | str:
+    """``-ngl``'s value: a layer count (>= 0), 'auto' or 'all'.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "all"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"--gpu-layers must be a number of layers, 'auto' or 'all', got {value!r}")
+
+
+def _nvidia_present() -> bool:
+    # Seen without importing torch (seconds), so a CPU-only run stays quick to start.
+    return Path("/proc/driver/nvidia/gpus").is_dir() or Path("/dev/nvidiactl").exists()
+
+
+def resolve_backend(name: str) -> str:
+    """The GPU backend to use: 'auto' is torch when CUDA is available, else MLX on Apple
+    Silicon, else 'cpu' (no GPU backend).
+
+    Raises:
+        EngineError: an unknown name, or a backend whose package is not installed.
+    """
+    if name not in BACKENDS:
+        raise EngineError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name == "auto":
+        if importlib.util.find_spec("torch") is not None and _nvidia_present():
+            from localllm.backends.torch import cuda_available
+            if cuda_available():
+                return "torch"
+        # Importing MLX starts its threads (and costs decode speed) even where it has no GPU:
+        # only on Apple Silicon is it worth asking.
+        if (platform.system() == "Darwin" and platform.machine() == "arm64"
+                and importlib.util.find_spec("mlx") is not None):
+            from localllm.backends.mlx import metal_available
+            if metal_available():
+                return "mlx"
+        return "cpu"
+    extra = {"torch": "torch", "mlx": "mlx"}.get(name)
+    if extra and importlib.util.find_spec(extra) is None:
+        hint = ('pip install torch==2.13.0 (a CPU build) or pip install -e ".[torch]"'
+                if extra == "torch" else 'pip install -e ".[mlx]" (or "mlx[cpu]" off macOS)')
+        raise EngineError(f"the {name} backend needs the {extra} package: {hint}")
+    return name
+
+
+def make_gpu_backend(name: str, threads: int):
+    """The GPU backend object for a resolved name ('cpu': None)."""
+    if name == "torch":
+        from localllm.backends.torch import TorchBackend
+        return TorchBackend(threads=threads)
+    if name == "mlx":
+        from localllm.backends.mlx import MlxBackend
+        return MlxBackend()
+    return None
+
+
+@dataclass
+class DevicePlan:
+    """What one backend will hold."""
+    backend: Any
+    pool: str                   # the memory it allocates from (backends may share one)
+    layers: list = field(default_factory=list)
+    head: bool = False
+    weight_bytes: int = 0
+    kv_per_token: int = 0       # KV bytes per token over its layers
+    scratch_bytes: int = 0      # activations of one batch, logits, dequantization scratch
+    largest: int = 0            # elements of its largest matrix
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend.name} ({self.backend.device})"
+
+
+@dataclass
+class MemoryPlan:
+    """The ledger: per device, weights, KV for the pool, scratch; and the split it implies."""
+    n_layers: int
+    gpu_layers: int
+    ctx: int
+    pool_tokens: int
+    k_type: str
+    v_type: str
+    devices: list             # DevicePlan, the CPU's first
+    free: dict                # pool -> free bytes when planned
+
+    def kv_bytes(self, d: DevicePlan) -> int:
+        return self.pool_tokens * d.kv_per_token
+
+    def total(self, d: DevicePlan) -> int:
+        return d.weight_bytes + self.kv_bytes(d) + d.scratch_bytes
+
+    def placement(self) -> Placement:
+        """The Placement the plan describes (the embedding on the CPU)."""
+        cpu = self.devices[0].backend
+        layers = [cpu] * self.n_layers
+        head = cpu
+        for d in self.devices:
+            for i in d.layers:
+                layers[i] = d.backend
+            if d.head:
+                head = d.backend
+        return Placement(cpu, tuple(layers), head)
+
+    def summary(self) -> str:
+        """Where the layers run in a few words: 'cpu', or e.g. 'torch (cuda:0) 20/30 layers
+        + cpu'."""
+        if self.gpu_layers == 0:
+            return "cpu"
+        rest = " + cpu" if self.gpu_layers < self.n_layers else ""
+        return f"{self.devices[1].label} {self.gpu_layers}/{self.n_layers} layers{rest}"
+
+    def format(self) -> str:
+        """The ledger as a table (``llm inspect --plan``, ``llm run -v``)."""
+        mib = 1 << 20
+        gpu = self.devices[1].label if len(self.devices) > 1 else "no GPU backend"
+        lines = [f"memory plan: {self.gpu_layers}/{self.n_layers} layers on the GPU ({gpu}), "
+                 f"context {self.ctx}, KV {self.k_type}/{self.v_type}, KV pool "
+                 f"{self.pool_tokens} tokens",
+                 f"  {'device':22s} {'layers':>12s} {'weights':>11s} {'KV':>11s} "
+                 f"{'scratch':>11s} {'total':>11s} {'free':>11s}"]
+        for d in self.devices:
+            span = _span(d.layers) + (" +head" if d.head else "")
+            lines.append(f"  {d.label:22s} {span or '-':>12s} {d.weight_bytes / mib:8.1f} MiB "
+                         f"{self.kv_bytes(d) / mib:7.1f} MiB {d.scratch_bytes / mib:7.1f} MiB "
+                         f"{self.total(d) / mib:7.1f} MiB "
+                         f"{self.free.get(d.pool, 0) / mib:7.0f} MiB")
+        return "\n".join(lines)
+
+
+def _span(layers: list) -> str:
+    if not layers:
+        return ""
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the ledger is planned for."""
+    ctx: int
+    k_type: str = "f16"
+    v_type: str = "f16"
+    block_size: int = 16
+    batch_size: int = 256
+    kv_pool_mb: float = 0
+    gpu_layers: int | str = "auto"
+
+
+def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> list:
+    """Weights, KV per token and scratch of each backend ((backend, pool) pairs, the CPU's
+    first) with the last n_gpu layers on the second."""
+    n = args.n_layers
+    first_gpu = n - n_gpu
+    devs = [DevicePlan(be, pool) for be, pool in pools]
+    gpu = devs[1] if len(devs) > 1 else None
+    head = gpu if gpu is not None and n_gpu > 0 else devs[0]
+    head.head = True
+    for i in range(n):
+        devs[1 if i >= first_gpu and gpu is not None else 0].layers.append(i)
+    layout = KVLayout(args.n_kv_heads, args.head_dim, req.block_size, req.k_type, req.v_type)
+    for d in devs:
+        d.kv_per_token = len(d.layers) * d.backend.kv_block_nbytes(layout) // req.block_size
+    tied = "output.weight" not in tensors
+    for name, t in tensors.items():
+        m = _LAYER.match(name)
+        if m:
+            d = devs[1] if gpu is not None and int(m.group(1)) >= first_gpu else devs[0]
+        elif name.startswith("output") or (name == "token_embd.weight" and tied):
+            d = head
+        else:
+            continue  # the embedding's rows are read from the mapped file on lookup
+        if len(t.shape) == 2:
+            N, K = (int(s) for s in t.shape)
+            d.weight_bytes += d.backend.plan_matrix_nbytes(t.type_name, N, K)
+            d.largest = max(d.largest, N * K)
+        else:
+            d.weight_bytes += 4 * int(t.n_elements)
+    B = req.batch_size
+    widths = 3 * args.dim + 2 * args.n_heads * args.head_dim \
+        + 2 * args.n_kv_heads * args.head_dim + 3 * args.hidden_dim
+    for d in devs:
+        if d.layers or d.head:
+            scores = 2 * args.n_heads * B * req.ctx  # a chunk's scores over the context
+            d.scratch_bytes = 4 * (B * widths + scores) + d.backend.plan_scratch_nbytes(d.largest)
+    logits = 4 * B * args.vocab_size
+    head.scratch_bytes += logits
+    if head is not devs[0]:
+        devs[0].scratch_bytes += logits  # copied to the host
+    return devs
+
+
+def _needs(devs: list, ctx: int) -> dict:
+    """Bytes each pool needs for weights, scratch and one full context of KV."""
+    need: dict[str, int] = {}
+    for d in devs:
+        need[d.pool] = need.get(d.pool, 0) + d.weight_bytes + d.scratch_bytes \
+            + ctx * d.kv_per_token
+    return need
+
+
+def plan_memory(tensors, args, cpu, gpu, req: PlanRequest, free: dict | None = None) -> MemoryPlan:
+    """Plan a model's memory before loading it.
+
+    Args:
+        tensors: the file's tensor table (name -> info with shape, type_name, n_elements).
+        args: the architecture's ModelArgs.
+        cpu: the CPU backend; gpu: the GPU backend, or None.
+        req: context, KV types, batch and the requested split.
+        free: pool -> free bytes (None: asked of the backends now).
+    Returns:
+        The MemoryPlan.
+    Raises:
+        EngineError: the model does not fit (the message names the numbers), or a requested
+        split puts more on the GPU than it has free.
+    """
+    n = args.n_layers
+    infos = [be.memory_info() for be in (cpu, gpu) if be is not None]
+    host = infos[0].pool
+    pools = [(be, info.pool) for be, info in zip((cpu, gpu), infos)]
+    if free is None:
+        free = {}
+        for info in infos:
+            free.setdefault(info.pool, info.free)
+    want = parse_gpu_layers(req.gpu_layers)
+    if gpu is None:
+        n_gpu = 0
+    elif want == "all":
+        n_gpu = n
+    elif want == "auto":
+        n_gpu = next((k for k in range(n, 0, -1)
+                      if _gpu_fits(_device_plans(tensors, args, pools, k, req), req.ctx, free,
+                                   host)), 0)
+    else:
+        n_gpu = min(int(want), n)
+    devs = _device_plans(tensors, args, pools, n_gpu, req)
+    _check(devs, req, free, host, n_gpu, n)
+    per_token = sum(d.kv_per_token for d in devs)
+    if req.kv_pool_mb:
+        tokens = int(req.kv_pool_mb * (1 << 20)) // per_token
+        if tokens < req.ctx:
+            raise EngineError(
+                f"--kv-pool-mb {req.kv_pool_mb:g} holds {tokens} tokens of KV, less than the "
+                f"{req.ctx}-token context ({req.ctx * per_token / (1 << 20):.1f} MB); raise it "
+                "or lower --ctx-size")
+    else:
+        tokens = POOL_CONTEXTS * req.ctx
+        for pool in {d.pool for d in devs}:
+            mine = [d for d in devs if d.pool == pool]
+            pt = sum(d.kv_per_token for d in mine)
+            if pt:
+                used = sum(d.weight_bytes + d.scratch_bytes for d in mine)
+                margin = HOST_MARGIN if pool == host else GPU_MARGIN
+                tokens = min(tokens, (free[pool] - used - margin) // pt)
+        tokens = max(req.ctx, tokens)
+    return MemoryPlan(n, n_gpu, req.ctx, tokens, req.k_type, req.v_type, devs, dict(free))
+
+
+def _gpu_fits(devs, ctx, free, host) -> bool:
+    """Whether the GPU's pool holds what the plan puts in it (with the margin where it is a
+    GPU's own memory; a pool shared with the host must hold everything)."""
+    pool = devs[1].pool
+    return _needs(devs, ctx)[pool] + (0 if pool == host else GPU_MARGIN) <= free[pool]
+
+
+def _check(devs, req: PlanRequest, free: dict, host: str, n_gpu: int, n: int) -> None:
+    need = _needs(devs, req.ctx)
+    for d in devs[1:]:
+        if d.pool != host and need[d.pool] + GPU_MARGIN > free[d.pool]:
+            raise EngineError(
+                f"not enough memory on {d.backend.device}: {n_gpu} of {n} layers need "
+                f"{d.weight_bytes / _GIB:.2f} GiB for weights, "
+                f"{req.ctx * d.kv_per_token / _GIB:.2f} GiB for a {req.ctx}-token KV cache and "
+                f"{d.scratch_bytes / _GIB:.2f} GiB of scratch, {free[d.pool] / _GIB:.2f} GiB "
+                f"is free ({GPU_MARGIN >> 20} MiB kept spare); try fewer --gpu-layers or "
+                f"--gpu-layers auto")
+    mine = [d for d in devs if d.pool == host]
+    if need.get(host, 0) > free[host]:
+        weights = sum(d.weight_bytes for d in mine)
+        kv = req.ctx * sum(d.kv_per_token for d in mine)
+        scratch = sum(d.scratch_bytes for d in mine)
+        where = (f" beside {n_gpu} layers on {devs[1].backend.device}"
+                 if n_gpu and devs[1].pool != host else "")
+        hint = " (try a smaller --ctx-size)" if kv > free[host] // 4 else ""
+        raise EngineError(
+            f"not enough memory: the model needs {weights / _GIB:.2f} GiB for weights and "
+            f"{kv / _GIB:.2f} GiB for a {req.ctx}-token KV cache (and {scratch / _GIB:.2f} GiB "
+            f"of scratch){where}, {free[host] / _GIB:.2f} GiB is available{hint}")
