@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import kernel_data  # noqa: E402
+from localllm.testing import kernel_data  # noqa: E402
 
 # A few ordinary token ids of SmolLM2's vocabulary, scored teacher-forced (every row).
 MODEL_TOKENS = [1, 504, 3458, 282, 4649, 314, 3557, 30, 378, 5354, 314]

@@ -167,7 +167,6 @@ def oneshot_llama(path: str, threads: int, prompt: str) -> None:
 
 def bench_ids(path: str, n: int) -> list[int]:
     """n token ids of ordinary text for the model (its own tokenizer)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from fixtures_logits import PASSAGE
     from localllm.formats.gguf import GGUFFile
     from localllm.text.tokenizer import Tokenizer

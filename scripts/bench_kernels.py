@@ -15,8 +15,7 @@ import time
 import numpy as np
 
 # Random weights of a sane scale, as the kernel tests make them.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from kernel_data import random_weight  # noqa: E402
+from localllm.testing.kernel_data import random_weight  # noqa: E402
 
 # name -> (N, K) of W; the models' output heads are the largest.
 SHAPES = {

@@ -20,8 +20,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 # A long-ish system prompt, so that the first turn's prompt processing is visible.
 SYSTEM = ("You are a careful assistant. " * 40).strip()
@@ -114,7 +112,7 @@ def main(argv=None) -> int:
     server = None
     url = args.url
     if url is None:
-        from server_process import ServerProcess
+        from localllm.testing.server_process import ServerProcess
         server = ServerProcess(args.model, "-c", "2048", "-t", str(args.threads),
                                "--parallel", str(args.parallel), api_key=args.api_key)
         server.wait_ready()

@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # gguf_copy: requantizing copies of a GGUF file
 
 # Written for this benchmark (not a text the tests use).
 PASSAGE = (
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
 
     import localllm
     from bench import _cpu_name
-    from gguf_copy import copy_gguf
+    from localllm.testing.gguf_copy import copy_gguf
     from localllm.formats.fetch import resolve_model_path
     from localllm.kernels.simd import ISA
 

@@ -16,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the machine description shared with the other benchmarks)
-import fixture_texts  # noqa: E402
+from localllm.testing import fixture_texts  # noqa: E402
 
 from localllm.formats.fetch import resolve_model_path  # noqa: E402
 from localllm.formats.gguf import GGUFFile  # noqa: E402

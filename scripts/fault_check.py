@@ -18,11 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402  (the machine description shared with the other benchmarks)
-import faults  # noqa: E402
-import tiny_model  # noqa: E402
+from localllm.testing import faults  # noqa: E402
+from localllm.testing import tiny_model  # noqa: E402
 
 from localllm.backends.cpu_store import PackedStore, sweep_orphans, write_store  # noqa: E402
 from localllm.formats.fetch import KNOWN_MODELS, cached_path, check_cached, fetch_model  # noqa: E402

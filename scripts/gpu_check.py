@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from test_backends_models import (GREEDY_MIN, KL_MAX, TOP1_MIN, compare,  # noqa: E402
-                                  greedy_rows)
+from localllm.testing.compare import (GREEDY_MIN, GREEDY_PROMPTS, KL_MAX, TOP1_MIN, compare,
+                                      greedy_rows)
 
 FIXTURE = {"smollm2-135m": "smollm", "gemma3-270m": "gemma"}
 PROMPT_TOKENS = 512
@@ -118,7 +117,6 @@ def main() -> int:
 
     import localllm
     from localllm.formats.fetch import resolve_model_path
-    from test_backends_models import GREEDY_PROMPTS
     results, failed = [], False
     from localllm.kernels.simd import ISA
     print(f"machine: {machine()}, {args.threads or 'all physical'} CPU threads, CPU backend's "

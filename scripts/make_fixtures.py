@@ -36,7 +36,7 @@ import sys
 import zlib
 from pathlib import Path
 
-from fixture_texts import corpus, fuzz, sweep_blocks  # scripts/ is on sys.path
+from localllm.testing.fixture_texts import corpus, fuzz, sweep_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -379,7 +379,6 @@ def pair_vocab() -> dict:
     characters of PAIR_ALPHABET, each pair a merge; two neighbours merge only when they
     ended up in the same pre-tokenizer word.
     """
-    sys.path.insert(0, str(ROOT))
     from localllm.text.tokenizer_bpe import BYTE_TO_CHAR, byte_encode
 
     controls = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<ctl{i}>" for i in range(14)]
@@ -516,19 +515,16 @@ def section_template(args) -> None:
 
 
 def section_logits(args) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fixtures_logits import section_logits as run
     run(args, model_path, write_json, FIXTURES)
 
 
 def section_ops(args) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fixtures_ops import section_ops as run
     run(args, model_path, FIXTURES)
 
 
 def section_bits(args) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fixtures_bits import section_bits as run
     run(args, model_path, write_json, FIXTURES)
 

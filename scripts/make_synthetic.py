@@ -28,8 +28,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "synthetic"
 def write_models(out: Path) -> dict:
     """Write every synthetic model into ``out``; returns the cases to score (also written
     as out/cases.json for the --score step)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import synthetic
+    from localllm.testing import synthetic
     from make_fixtures import model_path
     from localllm.formats.gguf import GGUFFile
 
@@ -52,7 +51,7 @@ def score(out: Path) -> None:
     """(Under llama-cpp-python.) llama.cpp's top log-probabilities over the passage for each
     case, its own token-by-token agreement, and its token ids of the tokenizer texts."""
     import llama_cpp
-    from fixture_texts import corpus
+    from localllm.testing.fixture_texts import corpus
     from fixtures_logits import PASSAGE, THREADS, TOPK, all_logits, coarse_kl, log_softmax
 
     FIXTURES.mkdir(parents=True, exist_ok=True)

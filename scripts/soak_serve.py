@@ -21,8 +21,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 @dataclass
@@ -130,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rss-bound-mb", type=float, default=32)
     args = ap.parse_args(argv)
 
-    from server_process import ServerProcess
+    from localllm.testing.server_process import ServerProcess
     server = ServerProcess(args.model, "-c", "2048", "-t", str(args.threads), "--parallel",
                            str(args.parallel), "--max-queue", str(args.clients * 2))
     try:

@@ -24,10 +24,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import localllm  # noqa: E402
-from fixtures_logits import coarse_kl, log_softmax  # noqa: E402  (scripts/ is on sys.path)
+from fixtures_logits import coarse_kl, log_softmax  # noqa: E402  (run as a script, scripts/ is on the path)
 
 MODELS = {"smollm": "smollm2-135m", "gemma": "gemma3-270m"}
 

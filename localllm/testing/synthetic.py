@@ -1,0 +1,302 @@
+"""Small GGUF models of each architecture with random weights in several quant types and a
+real tokenizer, written with gguf.GGUFWriter: same seed, same bytes. The llama.cpp reference
+logits in tests/fixtures/synthetic/ were computed on exactly these files.
+
+Two implementations that differ by one rounding in a norm or a sum diverge further wherever
+that flips an int8 rounding of the activations a quantized matmul reads, and with plain
+random weights many positions have near-ties between their two best tokens, so even
+llama.cpp agrees with its own token-by-token run at only 96-99% of them. These models are
+built to have confident predictions, as trained ones do: the token's own embedding (exact in
+both implementations) dominates the residual stream, each block adds a tenth or so, and the
+float output head gives every token a fixed successor that leads the others by a few nats
+(_head), so the blocks shape the rest of the distribution. Embeddings use formats without
+per-block offsets, whose shared structure would otherwise line up with the weights'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from .kernel_data import FLOAT_FORMATS, f16_fields, random_weight
+from localllm.formats import quants
+from localllm.formats.dequant import dequantize
+
+# Llama 3.2's rope scaling ("llama3" in its config), turned into per-frequency divisors the
+# way the GGUF converter stores them (the rope_freqs tensor).
+LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_context": 512}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One synthetic model: its shape, metadata and the GGML type of each weight role."""
+    arch: str
+    types: dict                      # role -> GGML type (see _matrices; "output" is a float type)
+    pre: str | None = None           # tokenizer.ggml.pre override (None: the source's own)
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    hidden_dim: int = 768
+    n_rot: int = 0                   # 0: head_dim
+    rope_theta: float = 10000.0
+    context_length: int = 4096
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    fused: bool = False              # Phi-3's attn_qkv and gate+up ffn_up
+    rope_freqs: bool = False         # Llama 3.1/3.2's scaling as per-frequency divisors
+    longrope: bool = False           # Phi-3's long and short factor sets
+    meta: dict = field(default_factory=dict)   # extra {arch}.* keys: name -> (value, type)
+    block_gain: float = 0.1          # each block's output against the token embedding
+    margin: float = 4.0              # nats by which the designed successor leads (see _head)
+
+
+PHI3_TYPES = {"attn": "Q8_0", "attn_output": "BF16", "ffn": "F16", "ffn_down": "Q6_K",
+              "embd": "Q5_0", "output": "F32"}
+SPECS = {
+    # Llama 3.2 shape: rope_freqs from the llama3 scaling, Llama 3's pre-split.
+    "llama3": Spec("llama", {"attn": "Q4_K", "attn_output": "Q5_K", "ffn": "Q4_K",
+                             "ffn_down": "Q6_K", "embd": "Q6_K", "output": "F16"},
+                   pre="llama-bpe", rope_theta=500000.0, context_length=131072, rope_freqs=True),
+    "qwen2": Spec("qwen2", {"attn": "Q4_0", "attn_output": "Q4_1", "ffn": "Q5_0",
+                            "ffn_down": "Q5_1", "embd": "Q8_0", "output": "F32"},
+                  pre="qwen2", rope_theta=1000000.0, context_length=32768, qkv_bias=True),
+    # Qwen3's head_dim is not dim / n_heads (here 128 * 4 = 512 against dim 256).
+    "qwen3": Spec("qwen3", {"attn": "Q3_K", "attn_output": "IQ4_XS", "ffn": "Q2_K",
+                            "ffn_down": "IQ4_NL", "embd": "IQ4_NL", "output": "F16"},
+                  pre="qwen2", head_dim=128, rope_theta=1000000.0, context_length=40960,
+                  qk_norm=True),
+    # Phi-3-mini-128k shape: fused projections, LongRoPE factors with the converter's
+    # attention factor sqrt(1 + ln(s) / ln(orig)) for s = 16 times the original context.
+    "phi3": Spec("phi3", PHI3_TYPES, context_length=8192, fused=True, longrope=True,
+                 meta={"rope.scaling.original_context_length": (512, GGUFValueType.UINT32),
+                       "rope.scaling.attn_factor": (math.sqrt(1 + math.log(16) / math.log(512)),
+                                                    GGUFValueType.FLOAT32),
+                       "attention.sliding_window": (2047, GGUFValueType.UINT32)}),
+    # Phi-4-mini's partial rotary embedding (48 of 64 dims), here without LongRoPE.
+    "phi3_partial": Spec("phi3", PHI3_TYPES, n_rot=48, fused=True,
+                         meta={"attention.sliding_window": (2047, GGUFValueType.UINT32)}),
+}
+
+LOGIT_STD = 5.0        # std of the random part of the logits
+EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
+
+# Reference cases: (model, context size). Phi-3's LongRoPE picks its factor set by context:
+# the short one up to the original context (512 here), the long one beyond.
+CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3", 1024),
+         "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
+         "phi3_partial": ("phi3_partial", 1024)}
+
+
+def llama3_freq_factors(n_rot: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> np.ndarray:
+    """Llama 3.1's frequency scaling as divisors: wavelengths shorter than
+    original_context / high_freq_factor keep their frequency, longer than
+    original_context / low_freq_factor are divided by ``factor``, and those between are
+    interpolated smoothly."""
+    freqs = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    divisor = 1.0 / ((1 - smooth) / factor + smooth)
+    divisor = np.where(wavelen < original_context / high_freq_factor, 1.0, divisor)
+    divisor = np.where(wavelen > original_context / low_freq_factor, factor, divisor)
+    return divisor.astype(np.float32)
+
+
+def _scaled(type_name: str, N: int, K: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random (N, K) weight bytes of a GGML type that map a unit-rms input to outputs of rms
+    std * sqrt(K), as independent weights of that std would. (Measured on the output: the
+    values of one block share scales and offsets, so their std alone says too little.)"""
+    raw = random_weight(type_name, N, K, rng).reshape(N, -1)
+    rows = min(N, 64)
+    sample = dequantize(raw[:rows].reshape(-1), type_name, (rows, K)).astype(np.float64)
+    c = _stable(std / np.sqrt(((sample @ rng.standard_normal((K, 16))) ** 2).mean() / K))
+    if type_name in FLOAT_FORMATS:
+        return _encode_float(dequantize(raw.reshape(-1), type_name, (N, K)) * np.float32(c),
+                             type_name)
+    # quantized: every value is linear in the f16 scale fields of its block
+    blocks = raw.reshape(-1, quants.type_size(type_name))
+    for off in f16_fields(type_name).values():
+        d = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * np.float32(c)
+        blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8)
+    return raw
+
+
+def _stable(x):
+    """A float64 result of sums rounded to float32 precision, so that the last-bit differences
+    between CPUs' summation orders do not reach the file's bytes."""
+    return np.asarray(x, np.float32).astype(np.float64)
+
+
+def _matrices(s: Spec) -> list[tuple[str, str, int, int, float]]:
+    """(tensor name, type, N, K, value std) of every weight matrix, in file order."""
+    qd, kvd, t = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.types
+    unit = 1 / math.sqrt(s.dim)
+    # q and k a little over unit size so that attention is not uniform; the attention output
+    # is an average, so it gets twice the FFN's gain to count as much
+    out = [("token_embd.weight", t["embd"], 0, s.dim, 1.0)]
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        if s.fused:
+            out.append((p + "attn_qkv.weight", t["attn"], qd + 2 * kvd, s.dim, 1.2 * unit))
+        else:
+            out += [(p + f"attn_{x}.weight", t["attn"], n, s.dim, g * unit)
+                    for x, n, g in (("q", qd, 1.5), ("k", kvd, 1.5), ("v", kvd, 1.0))]
+        out.append((p + "attn_output.weight", t["attn_output"], s.dim, qd,
+                    2 * s.block_gain / math.sqrt(qd)))
+        ffn_rows = [("ffn_up", 2 * s.hidden_dim)] if s.fused else [
+            ("ffn_gate", s.hidden_dim), ("ffn_up", s.hidden_dim)]
+        out += [(p + f"{x}.weight", t["ffn"], n, s.dim, unit) for x, n in ffn_rows]
+        out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
+                    s.block_gain / math.sqrt(s.hidden_dim)))
+    return out
+
+
+def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
+    """Norm weights (around 1), biases and rope factors as float32, in file order."""
+    qd, kvd, n_rot = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_rot or s.head_dim
+    norm = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    out = []
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", norm(s.dim)), (p + "ffn_norm.weight", norm(s.dim))]
+        if s.qkv_bias:
+            out += [(p + f"attn_{x}.bias", (0.5 * rng.standard_normal(n)).astype(np.float32))
+                    for x, n in (("q", qd), ("k", kvd), ("v", kvd))]
+        if s.qk_norm:
+            # (QK-norm leaves unit-rms heads: larger weights keep attention selective)
+            out += [(p + "attn_q_norm.weight", 2 * norm(s.head_dim)),
+                    (p + "attn_k_norm.weight", 2 * norm(s.head_dim))]
+    out.append(("output_norm.weight", norm(s.dim)))
+    if s.rope_freqs:
+        out.append(("rope_freqs.weight", llama3_freq_factors(n_rot, s.rope_theta,
+                                                             **LLAMA3_SCALING)))
+    if s.longrope:  # LongRoPE: short factors near 1, long ones growing to ~8
+        ramp = np.linspace(0, 1, n_rot // 2)
+        out += [("rope_factors_long.weight", (1 + 7 * ramp ** 2).astype(np.float32)),
+                ("rope_factors_short.weight", (1 + 0.1 * ramp).astype(np.float32))]
+    return out
+
+
+def _head(s: Spec, embd: np.ndarray, out_norm: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The output matrix (vocab, dim) as float32: random rows giving logits of std LOGIT_STD,
+    plus, for each token t, a push along t's normalized embedding on the row of a fixed random
+    successor, so that when the last hidden state points along that embedding the successor's
+    logit leads the expected largest random one by ``s.margin`` nats."""
+    V, dim = embd.shape
+    rms = np.sqrt(_stable((embd.astype(np.float64) ** 2).mean(1)))
+    n = embd / rms[:, None] * out_norm
+    n_norm = np.sqrt(_stable((n ** 2).sum(1)))
+    w = rng.standard_normal((V, dim)) * _stable(LOGIT_STD / n_norm.mean())
+    succ = rng.permutation(V)
+    sigma = _stable(np.sqrt((w ** 2).sum(1)).mean()) / math.sqrt(dim) * n_norm
+    push = sigma * EXPECTED_MAX + s.margin - _stable((w[succ] * n).sum(1))
+    w[succ] += (push / n_norm ** 2)[:, None] * n
+    return w.astype(np.float32)
+
+
+def _encode_float(w: np.ndarray, type_name: str) -> np.ndarray:
+    """float32 (N, K) values as GGUF bytes of a float type."""
+    w = np.ascontiguousarray(w, np.float32)
+    if type_name == "F32":
+        return w.view(np.uint8).reshape(w.shape[0], -1)
+    if type_name == "F16":
+        return w.astype(np.float16).view(np.uint8).reshape(w.shape[0], -1)
+    return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(w.shape[0], -1)
+
+
+def _value_type(v) -> tuple[GGUFValueType, GGUFValueType | None]:
+    if isinstance(v, bool):
+        return GGUFValueType.BOOL, None
+    if isinstance(v, int):
+        return GGUFValueType.UINT32, None
+    if isinstance(v, str):
+        return GGUFValueType.STRING, None
+    if isinstance(v, np.ndarray):
+        return GGUFValueType.ARRAY, {np.dtype(np.int32): GGUFValueType.INT32,
+                                     np.dtype(np.float32): GGUFValueType.FLOAT32}[v.dtype]
+    return GGUFValueType.ARRAY, GGUFValueType.STRING
+
+
+def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
+          **changes) -> Path:
+    """Write the synthetic model ``name`` (a key of SPECS).
+
+    Args:
+        name: which model; path: the .gguf file to write.
+        tokenizer_meta: metadata of a real model whose ``tokenizer.*`` keys are copied.
+        drop: tensor names to leave out; changes: Spec fields to change (both for files
+            a model must refuse).
+    Returns:
+        The path written.
+    """
+    s = replace(SPECS[name], **changes)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
+    w = GGUFWriter(str(path), s.arch)
+    # (not "phi3": llama.cpp gives a model so named Phi-3's special-token handling)
+    w.add_name(f"synthetic {name.replace('phi3', 'Phi 3')}")
+    a = s.arch + "."
+    ints = {"context_length": s.context_length, "embedding_length": s.dim,
+            "block_count": s.n_layers, "feed_forward_length": s.hidden_dim,
+            "attention.head_count": s.n_heads, "attention.head_count_kv": s.n_kv_heads,
+            "attention.key_length": s.head_dim, "attention.value_length": s.head_dim,
+            "rope.dimension_count": s.n_rot or s.head_dim}
+    for k, v in ints.items():
+        w.add_key_value(a + k, v, GGUFValueType.UINT32)
+    w.add_key_value(a + "rope.freq_base", s.rope_theta, GGUFValueType.FLOAT32)
+    w.add_key_value(a + "attention.layer_norm_rms_epsilon", 1e-6, GGUFValueType.FLOAT32)
+    for k, (v, vt) in s.meta.items():
+        w.add_key_value(a + k, v, vt)
+    for k, v in tokenizer_meta.items():
+        if k.startswith("tokenizer."):
+            if k == "tokenizer.ggml.pre" and s.pre is not None:
+                v = s.pre
+            vt, sub = _value_type(v)
+            w.add_key_value(k, list(v) if isinstance(v, np.ndarray) else v, vt, sub)
+    for tname, type_name, N, K, std in _matrices(s):
+        raw = _scaled(type_name, N or vocab, K, std, rng)
+        if tname not in drop:
+            w.add_tensor(tname, raw, raw_dtype=GGMLQuantizationType[type_name])
+        if tname == "token_embd.weight":
+            embd = dequantize(raw.reshape(-1), type_name, (vocab, s.dim))
+    vectors = _vectors(s, rng)
+    for tname, values in vectors:
+        if tname not in drop:
+            w.add_tensor(tname, values)
+    head = _head(s, embd, dict(vectors)["output_norm.weight"], rng)
+    w.add_tensor("output.weight", _encode_float(head, s.types["output"]),
+                 raw_dtype=GGMLQuantizationType[s.types["output"]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def digest(path: str | Path) -> str:
+    """sha256 of a GGUF file's tensors and metadata as our reader sees them (independent of
+    how a writer lays the file out): the fixtures record it, so a change in the generated
+    weights shows as such rather than as disagreement."""
+    from localllm.formats.gguf import GGUFFile
+    h = hashlib.sha256()
+    f = GGUFFile(path)
+    try:
+        for k in sorted(f.metadata):
+            v = f.metadata[k]
+            h.update(repr((k, v.tolist() if isinstance(v, np.ndarray) else v)).encode())
+        for t in sorted(f.tensors):
+            info = f.tensors[t]
+            h.update(repr((t, info.type_name, info.shape)).encode())
+            h.update(f.raw(t).tobytes())
+    finally:
+        f.close()
+    return h.hexdigest()
