@@ -69,10 +69,16 @@ def describe(f) -> dict:
     }
 
 
+def _plain(value):
+    """Metadata as Python values (numpy arrays and scalars print as their numbers)."""
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
 def _short(value, limit: int = 80) -> str:
-    if isinstance(value, list) or hasattr(value, "shape"):
+    value = _plain(value)
+    if isinstance(value, list):
         n = len(value)
-        head = ", ".join(repr(v) for v in list(value[:3]))
+        head = ", ".join(repr(v) for v in value[:3])
         return f"[{head}{', ...' if n > 3 else ''}] ({n} items)"
     s = repr(value)
     return s if len(s) <= limit else s[:limit - 3] + "..."
@@ -98,5 +104,5 @@ def format_description(path: Path, d: dict, show_all: bool = False) -> str:
         lines.append(f"  {t:8s} {count:5d} tensors  {nbytes / 1e6:9.1f} MB")
     lines.append(f"metadata:       {len(d['metadata'])} keys (GGUF v{d['version']})")
     for k, v in d["metadata"].items():
-        lines.append(f"  {k} = {repr(v) if show_all else _short(v)}")
+        lines.append(f"  {k} = {repr(_plain(v)) if show_all else _short(v)}")
     return "\n".join(lines)

@@ -155,6 +155,9 @@ def test_list_and_inspect(smollm_path, gemma_path):
     assert r.returncode == 0, r.stderr
     for word in ("llama", "Q4_1", "parameters", "KV cache", "134.5 M"):
         assert word in r.stdout
+    # arrays of metadata print as their values, not as numpy reprs
+    assert "tokenizer.ggml.token_type = [3, 3, 3, ...] (49152 items)" in r.stdout
+    assert "np." not in r.stdout
 
 
 def test_pull_is_idempotent(smollm_path):
