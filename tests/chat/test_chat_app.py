@@ -66,7 +66,7 @@ def notes(app) -> list[str]:
 
 
 def shown(app) -> list[tuple[str, str]]:
-    return [(v.role, v.text) for v in app.message_views()]
+    return [(v.role, v.text) for v in app.chat_view.message_views()]
 
 
 def test_two_messages_stream_and_the_second_reuses_the_first(make_app, model):
@@ -88,7 +88,7 @@ def test_two_messages_stream_and_the_second_reuses_the_first(make_app, model):
         expect = "".join(model.chat([{"role": "user", "content": "Hello!"}],
                                     temperature=0, max_tokens=8))
         assert path[1].content == expect
-        s = app.last_stats
+        s = app.replies.last_stats
         assert s.cached_tokens > 0 and s.prompt_tokens - s.cached_tokens < 20
         assert f"reused {s.cached_tokens}/{s.prompt_tokens} prompt tokens" in status(app)
         assert "CPU 30/30 layers" in status(app) and f"/{CTX}" in status(app)
@@ -113,7 +113,7 @@ def test_escape_stops_a_reply_and_keeps_its_text(make_app):
         assert reply.meta["finish_reason"] == "cancelled"
         assert 3 <= reply.meta["generated_tokens"] < 300
         assert shown(app)[-1] == ("assistant", reply.content)
-        assert "(stopped)" in str(app.message_views()[-1].header.render())
+        assert "(stopped)" in str(app.chat_view.message_views()[-1].header.render())
         # Kept in the database as it was shown.
         back = Store(app.options.database).load(app.conv.id)
         assert back.path()[-1].content == reply.content
@@ -149,12 +149,12 @@ def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
         second = app.conv.path()[-1]
         assert second.id != first.id and second.parent_id == first.parent_id
         assert second.content != first.content
-        assert "2/2" in str(app.message_views()[-1].header.render())
+        assert "2/2" in str(app.chat_view.message_views()[-1].header.render())
         await pilot.press("alt+left")          # the last branch point, from the prompt box
         await pilot.pause()
         assert app.conv.path()[-1].id == first.id
         assert shown(app)[-1] == ("assistant", first.content)
-        assert "1/2" in str(app.message_views()[-1].header.render())
+        assert "1/2" in str(app.chat_view.message_views()[-1].header.render())
         await say(pilot, "/branch 2")
         assert app.conv.path()[-1].id == second.id
         await pilot.press("alt+up")             # onto the reply: Alt+Left switches that one
@@ -173,7 +173,7 @@ def test_regen_makes_a_branch_and_switching_back_restores_the_first(make_app):
         # fork), so only the new turn is computed.
         await pilot.press("alt+left")
         await say(pilot, "Go on.")
-        s = app.last_stats
+        s = app.replies.last_stats
         assert s.reuse_note == "" and "recomputed" not in status(app)
         # everything of the first branch but its reply's last token (sampled, never run)
         assert s.cached_tokens >= first.meta["prompt_tokens"] + first.meta["generated_tokens"] - 1
@@ -194,7 +194,7 @@ def test_greedy_regen_twice_gives_identical_replies(make_app):
         assert replies[0].content == replies[1].content == replies[2].content
         assert all(r.meta["finish_reason"] in ("stop", "length") for r in replies)
         # Regenerating reruns only the prompt's last token.
-        assert app.last_stats.prompt_tokens - app.last_stats.cached_tokens == 1
+        assert app.replies.last_stats.prompt_tokens - app.replies.last_stats.cached_tokens == 1
     drive(app, script)
 
 
@@ -211,11 +211,11 @@ def test_edit_makes_a_branch_at_that_message(make_app):
         assert [m.content for m in path[:1]] == ["Good morning."] and len(path) == 2
         first = app.conv.children[None]
         assert len(first) == 2     # the old message and its turns are kept
-        assert app.last_stats.reuse_note == ""    # a fork at the edit: nothing recomputed
+        assert app.replies.last_stats.reuse_note == ""    # a fork at the edit: nothing recomputed
         # A new system prompt changes the start of the history: said, not hidden.
         await say(pilot, "/system Answer like a pirate.")
         await say(pilot, "Thanks.")
-        note = app.last_stats.reuse_note
+        note = app.replies.last_stats.reuse_note
         assert note.startswith("the system prompt changed: the prompt differs from the cached")
         assert "recomputed: the system prompt changed" in status(app)
     drive(app, script)
@@ -228,14 +228,14 @@ def test_summary_starts_a_new_branch_from_it(make_app):
         await say(pilot, "My name is Ada and I like rivers.")
         await say(pilot, "/summary")
         box = app.prompt_box.text
-        assert box.startswith("Summary of our conversation so far:\n\n") and app.new_root
+        assert box.startswith("Summary of our conversation so far:\n\n") and app.composer.draft.new_root
         summary = box.split("\n\n", 1)[1].strip()
         assert summary and "new branch" in status(app)
         await say(pilot, box + "What do I like?")
         first = app.conv.children[None]
         assert len(first) == 2                     # the old branch is kept beside the new
         assert app.conv.path()[0].content.startswith("Summary of our conversation so far:")
-        assert app.conv.path()[-1].role == "assistant" and not app.new_root
+        assert app.conv.path()[-1].role == "assistant" and not app.composer.draft.new_root
     drive(app, script)
 
 
@@ -299,8 +299,8 @@ def test_a_full_context_asks_and_never_cuts(make_app, tmp_path):
         assert app.conv.path()[0].meta["dropped"] and not app.conv.path()[2].meta.get("dropped")
         await say(pilot, app.prompt_box.text)
         assert app.conv.path()[-1].role == "assistant" and app.conv.path()[-1].content
-        assert app.last_stats.prompt_tokens < CTX
-        assert "left out of the context" in str(app.message_views()[0].header.render())
+        assert app.replies.last_stats.prompt_tokens < CTX
+        assert "left out of the context" in str(app.chat_view.message_views()[0].header.render())
     drive(app, script)
 
 
@@ -381,7 +381,7 @@ def test_a_model_that_does_not_load_is_reported_and_nothing_is_sent(tmp_path):
     async def main():
         async with app.run_test() as pilot:
             await until(pilot, lambda: any(n.startswith("error") for n in notes(app)))
-            assert app.load_error and notes(app)[-1].startswith(f"error: cannot load {bad}: ")
+            assert app.replies.load_error and notes(app)[-1].startswith(f"error: cannot load {bad}: ")
             assert "\n" not in notes(app)[-1]
             app.prompt_box.set_text("Hello?")
             await pilot.press("enter")
@@ -401,7 +401,7 @@ def test_status_bar_reports_drafts(smollm_path, tmp_path):
         async def script(pilot):
             await say(pilot, "Say: The lighthouse keeper climbed the spiral stairs every "
                              "evening at dusk, carrying a can of oil and a cloth.")
-            s = app.last_stats
+            s = app.replies.last_stats
             assert s.draft_tokens > 0 and 0 <= s.accepted_tokens <= s.draft_tokens
             assert f"{s.tokens_per_pass:.2f} tok/pass" in status(app)
             await say(pilot, "/stats")
