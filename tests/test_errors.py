@@ -1,5 +1,6 @@
 """The typed errors: each kind's place in the hierarchy, its builtin base and ``.param``, that it
-pickles, and that the modules that raised their own classes, and the engine, raise these."""
+pickles, that the modules that raised their own classes, and the engine, raise these, and the
+server's table that turns them into HTTP statuses."""
 
 import pickle
 
@@ -150,3 +151,43 @@ def test_load_settings_errors_name_their_setting(smollm_path):
         assert err.value.param == param, settings
     with pytest.raises(E.NotEnoughMemory):
         localllm.load(smollm_path, ctx_size=100_000_000, threads=1)
+
+
+# ----------------------------------------------------------------------------- the tables
+
+def _server_errors():
+    pytest.importorskip("fastapi")
+    from localllm.apps.server import errors
+    return errors
+
+
+@pytest.mark.parametrize("err, status, code, param", [
+    (E.PromptTooLong("x", param="prompt", n_tokens=2000, ctx=1024), 400,
+     "context_length_exceeded", None),
+    (E.TokenOutOfVocab("token id 9 is outside", param="logit_bias"), 400, "invalid_value",
+     "logit_bias"),
+    (E.BadSetting("top_p must be in [0, 1]", param="top_p"), 400, "invalid_value", "top_p"),
+    (E.KVPoolFull("the KV cache is full", param="kv_pool_mb"), 400, "invalid_value", None),
+    (E.GrammarError("no finite value"), 400, "unsupported_schema", None),
+    (E.TemplateError("the template raised: roles must alternate"), 400, "invalid_value", None),
+    (E.SequenceError("this sequence has been released"), 400, "invalid_value", None),
+])
+def test_server_table(err, status, code, param):
+    errors = _server_errors()
+    a = errors.api_error(err)
+    assert (a.status, a.code, a.param) == (status, code, param)
+    assert errors.request_error(err).body() == a.body()
+    assert errors.api_error(err, "messages").param == "messages"
+
+
+def test_server_table_messages():
+    errors = _server_errors()
+    a = errors.api_error(E.PromptTooLong("engine words", n_tokens=2000, ctx=1024), "prompt")
+    assert a.message == ("the prompt has 2000 tokens but the context holds 1024; shorten it, "
+                         "or restart the server with a larger --ctx-size")
+    a = errors.api_error(E.GrammarError("no finite value can satisfy the schema"),
+                         "response_format")
+    assert a.message == "response_format: no finite value can satisfy the schema"
+    plain = errors.request_error(ValueError("first\nsecond"))
+    assert (plain.status, plain.code, plain.message) == (400, "invalid_value", "first")
+    assert errors.request_error(ZeroDivisionError()).status == 500
