@@ -1,6 +1,6 @@
 """The typed errors: each kind's place in the hierarchy, its builtin base and ``.param``, that it
-pickles, that the modules that raised their own classes, and the engine, raise these, and the
-server's table that turns them into HTTP statuses."""
+pickles, that the modules that raised their own classes raise these, and the server's and the
+CLI's tables that turn them into statuses and exit codes."""
 
 import pickle
 
@@ -191,3 +191,27 @@ def test_server_table_messages():
     plain = errors.request_error(ValueError("first\nsecond"))
     assert (plain.status, plain.code, plain.message) == (400, "invalid_value", "first")
     assert errors.request_error(ZeroDivisionError()).status == 500
+
+
+@pytest.mark.parametrize("err, code", [
+    (E.BadSetting("--threads must be >= 0"), 2),
+    (E.GGUFError("not a GGUF file", "magic", 0), 3),
+    (E.UnsupportedModel("unsupported architecture 'mamba9'"), 3),
+    (E.PromptTooLong("the prompt has 90 tokens"), 4),
+    (E.TokenOutOfVocab("token id 5"), 4),
+    (E.NotEnoughMemory("not enough memory"), 5),
+    (E.KVPoolFull("the KV cache is full"), 5),
+    (E.FetchError("could not download"), 6),
+    (E.TemplateError("the template raised"), 1),
+    (FileNotFoundError(2, "No such file", "/x/y.gguf"), 1),
+    (ValueError("no prompt"), 1),
+])
+def test_cli_table(err, code):
+    from localllm.apps import cli
+    row = cli.exit_for(err)
+    assert row.code == code
+    line = row.message(err)
+    assert "\n" not in line and line
+    if isinstance(err, FileNotFoundError):
+        assert line == "no such file: /x/y.gguf"
+    assert cli.exit_for(ZeroDivisionError()) is None   # a bug: its traceback shows
