@@ -4,11 +4,14 @@ from .errors import (BadSetting, ConstraintError, ContextFull, EmptyPrompt, Engi
                      FetchError, GGUFError, GrammarError, KVPoolFull, LocalLLMError,
                      ModelFileError, NotEnoughMemory, PromptTooLong, SequenceError,
                      TemplateError, TokenizerError, TokenOutOfVocab, UnsupportedModel)
-from .errors import __all__ as _errors
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__", *_errors]
+__all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__",
+           "BadSetting", "ConstraintError", "ContextFull", "EmptyPrompt", "EngineError",
+           "FetchError", "GGUFError", "GrammarError", "KVPoolFull", "LocalLLMError",
+           "ModelFileError", "NotEnoughMemory", "PromptTooLong", "SequenceError",
+           "TemplateError", "TokenizerError", "TokenOutOfVocab", "UnsupportedModel"]
 
 
 def __getattr__(name):
