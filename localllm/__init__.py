@@ -1,12 +1,22 @@
 """localllm: run GGUF language models locally."""
 
+from .errors import (BadSetting, ConstraintError, ContextFull, EmptyPrompt, EngineError,
+                     FetchError, GGUFError, GrammarError, KVPoolFull, LocalLLMError,
+                     ModelFileError, NotEnoughMemory, PromptTooLong, SequenceError,
+                     TemplateError, TokenizerError, TokenOutOfVocab, UnsupportedModel)
+
 __version__ = "0.1.0"
 
-__all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__"]
+__all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__",
+           "BadSetting", "ConstraintError", "ContextFull", "EmptyPrompt", "EngineError",
+           "FetchError", "GGUFError", "GrammarError", "KVPoolFull", "LocalLLMError",
+           "ModelFileError", "NotEnoughMemory", "PromptTooLong", "SequenceError",
+           "TemplateError", "TokenizerError", "TokenOutOfVocab", "UnsupportedModel"]
 
 
 def __getattr__(name):
-    # Imported on first use so that light commands (fetching, listing) skip the kernels.
+    # Imported on first use so that light commands (fetching, listing) skip the kernels;
+    # the errors module imports nothing, so it comes at once.
     if name in ("load", "Model", "LoadSettings"):
         from . import api
         return getattr(api, name)

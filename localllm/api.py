@@ -22,6 +22,8 @@ from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
+from localllm.errors import (BadSetting, EmptyPrompt, EngineError, LocalLLMError, PromptTooLong,
+                             SequenceError)
 from localllm.formats import fetch
 from localllm.formats.gguf import GGUFFile
 from localllm.generation.decoder import Chunk, Decoder, GenerationStats, run_generation
@@ -33,7 +35,7 @@ from localllm.models.common import WeightLoader, check_blocks
 from localllm.runtime import warm
 from localllm.runtime.placement import (PlanRequest, make_gpu_backend, parse_gpu_layers, plan_memory,
                                         resolve_backend)
-from localllm.runtime.sequence import EngineError, KVSpace, KVStats, Runner, Sequence
+from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, check_tokens
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
 
@@ -72,16 +74,18 @@ class LoadSettings:
 
 def _check_speculation(s: LoadSettings) -> None:
     if not 0 <= s.lookup <= MAX_DRAFT:
-        raise EngineError(f"lookup must be in 0..{MAX_DRAFT} drafted tokens, got {s.lookup}")
+        raise BadSetting(f"lookup must be in 0..{MAX_DRAFT} drafted tokens, got {s.lookup}",
+                         param="lookup")
     if not 1 <= s.draft_max <= MAX_DRAFT:
-        raise EngineError(f"draft_max must be in 1..{MAX_DRAFT} tokens, got {s.draft_max}")
+        raise BadSetting(f"draft_max must be in 1..{MAX_DRAFT} tokens, got {s.draft_max}",
+                         param="draft_max")
 
 
 def _check_kv_types(ctk: str, ctv: str) -> None:
     for name, t in (("ctk", ctk), ("ctv", ctv)):
         if t not in KV_TYPES:
-            raise EngineError(f"unknown KV type {t!r} for {name} (choose from "
-                              f"{', '.join(KV_TYPES)})")
+            raise BadSetting(f"unknown KV type {t!r} for {name} (choose from "
+                             f"{', '.join(KV_TYPES)})", param=name)
 
 
 def physical_cores() -> int:
@@ -111,7 +115,9 @@ def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None)
     Returns:
         (MemoryPlan, the architecture's ModelArgs, the CPU backend, the GPU backend or None).
     Raises:
-        EngineError: bad settings, or a model that does not fit (naming the numbers).
+        UnsupportedModel: an architecture or metadata this engine cannot run.
+        BadSetting: bad settings (``param`` names which).
+        NotEnoughMemory: a model that does not fit (naming the numbers).
     """
     meta = file.metadata
     module = module_for(meta)  # an unsupported architecture fails before any other work
@@ -119,12 +125,9 @@ def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None)
     check_blocks(file.tensors, args.arch, args.n_layers)  # before sizing the KV cache
     ctx = settings.ctx_size or min(DEFAULT_CTX, args.context_length)
     if ctx <= 0:
-        raise EngineError(f"context size must be positive, got {ctx}")
+        raise BadSetting(f"context size must be positive, got {ctx}", param="ctx_size")
     _check_kv_types(settings.ctk, settings.ctv)
-    try:
-        parse_gpu_layers(settings.gpu_layers)
-    except ValueError as e:
-        raise EngineError(str(e)) from None
+    parse_gpu_layers(settings.gpu_layers)
     cpu = _make_cpu_backend(settings)
     gpu = make_gpu_backend(resolve_backend(settings.backend),
                            settings.threads or physical_cores())
@@ -221,7 +224,7 @@ class Model:
         draft = Model(path, replace(s, draft=None, lookup=0, ctx_size=self.ctx))
         try:
             check_vocabularies(self.tokenizer, draft.tokenizer, self.path.name, path.name)
-        except EngineError:
+        except BadSetting:
             draft.close()
             raise
         return draft
@@ -232,6 +235,12 @@ class Model:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Seq[int], skip_special: bool = False) -> str:
+        """The text of token ids.
+
+        Raises:
+            TokenOutOfVocab: an id outside the vocabulary (``param`` "ids").
+        """
+        check_tokens(ids, self.vocab_size, "ids")
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -255,8 +264,10 @@ class Model:
         try:
             space = KVSpace(self.net, ctk, ctv, self.settings.kv_block_size, self._pool_tokens,
                             self._identity)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
+        except LocalLLMError:
+            raise
+        except ValueError as e:  # a KV layout a backend cannot hold
+            raise BadSetting(str(e)) from None
         return space, Runner(self.net, space, self.ctx, self.settings.batch_size,
                              self.vocab_size)
 
@@ -303,7 +314,8 @@ class Model:
             float32 (len(ids), vocab_size).
         """
         if len(ids) > self.ctx:
-            raise EngineError(f"{len(ids)} tokens exceed the context size {self.ctx}")
+            raise PromptTooLong(f"{len(ids)} tokens exceed the context size {self.ctx}",
+                                param="ids", n_tokens=len(ids), ctx=self.ctx)
         with self.new_sequence() as seq:
             return seq.feed(ids, all_logits=True)
 
@@ -365,17 +377,30 @@ class Model:
         p.validate()
         return p
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: Seq[int], param: str = "prompt") -> None:
+        """What every generation checks of its prompt first, for callers that check many
+        prompts before starting any (the server does).
+
+        Args:
+            ids: the prompt's token ids.
+            param: the argument or request field the prompt came from, for ``.param``.
+        Raises:
+            EmptyPrompt: no tokens.
+            TokenOutOfVocab: an id outside the vocabulary.
+            PromptTooLong: no room left in the context for a reply.
+        """
         if not ids:
-            raise EngineError("the prompt is empty")
+            raise EmptyPrompt("the prompt is empty", param=param)
+        check_tokens(ids, self.vocab_size, param)
         if len(ids) >= self.ctx:
-            raise EngineError(f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
-                              "use a larger context size (-c) or a shorter prompt")
+            raise PromptTooLong(f"the prompt has {len(ids)} tokens but the context holds "
+                                f"{self.ctx}; use a larger context size (-c) or a shorter prompt",
+                                param=param, n_tokens=len(ids), ctx=self.ctx)
 
     def _generate(self, ids: list[int], params: SamplingParams, seq: Sequence | None,
                   shift=None, stats: GenerationStats | None = None,
                   constraint=None, speculate: bool = True) -> Generation:
-        self._check_prompt(ids)
+        self.check_prompt(ids)
         if seq is not None:
             seq._check()
         stats = stats or GenerationStats()
@@ -395,7 +420,7 @@ class Model:
         """A generation to drive step by step (batching.Batcher does): the prompt is matched
         against the cache now; see generate for the arguments."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._check_prompt(ids)
+        self.check_prompt(ids)
         stats = GenerationStats()
         self.last_stats = stats
         return self._start(ids, self._params(sampling), seq, stats, None, constraint, speculate)
@@ -422,7 +447,7 @@ class Model:
         def rollback(n: int) -> None:
             want = len(seq) - n
             if seq.trim(want) != want:  # cannot happen for a draft within one KV block
-                raise EngineError(f"could not roll a sequence back to {want} tokens")
+                raise SequenceError(f"could not roll a sequence back to {want} tokens")
 
         # Constrained text is checked byte for byte: decoded without space cleaning.
         stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
@@ -468,8 +493,8 @@ class Model:
 
         ids = fit([])
         if ids is None:
-            raise EngineError("the last message alone does not fit in the context; use a "
-                              "larger context size (-c)")
+            raise PromptTooLong("the last message alone does not fit in the context; use a "
+                                "larger context size (-c)", param="messages", ctx=self.ctx)
 
         def shift(generated: list[int]):
             before = dropped

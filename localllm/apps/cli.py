@@ -1,7 +1,7 @@
 """The `llm` command: run a prompt, chat, serve a model, pull, list and inspect models.
 
 Stdout carries only generated text; messages and statistics go to stderr. Every failure is
-one line starting with ``error:`` and a non-zero exit code.
+one line starting with ``error:`` and a non-zero exit code, by its class (see EXITS).
 """
 
 from __future__ import annotations
@@ -11,9 +11,19 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
+from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
+                             ModelFileError, NotEnoughMemory, TokenOutOfVocab)
+
+EXIT_ERROR = 1       # anything else that went wrong (a file that cannot be read, ...)
+EXIT_USAGE = 2       # a command line or a setting that makes no sense
+EXIT_MODEL = 3       # a model file that cannot be read or run
+EXIT_INPUT = 4       # a prompt that does not fit the context, or token ids outside the vocabulary
+EXIT_MEMORY = 5      # the model or its KV cache does not fit the memory there is
+EXIT_FETCH = 6       # a model could not be downloaded
+EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,11 +74,12 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
 def _model_settings(args) -> dict:
     """LoadSettings fields from the model options (shared by every command that loads)."""
     if args.ctx_size < 0:
-        raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+        raise BadSetting(f"--ctx-size must be >= 0, got {args.ctx_size}", param="ctx_size")
     if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+        raise BadSetting(f"--threads must be >= 0, got {args.threads}", param="threads")
     if args.kv_pool_mb < 0:
-        raise ValueError(f"--kv-pool-mb must be >= 0, got {args.kv_pool_mb:g}")
+        raise BadSetting(f"--kv-pool-mb must be >= 0, got {args.kv_pool_mb:g}",
+                         param="kv_pool_mb")
     return dict(ctx_size=args.ctx_size, threads=args.threads, batch_size=args.batch_size,
                 chat_template=args.chat_template, models_dir=args.models_dir,
                 weight_cache=not args.no_weight_cache, ctk=args.cache_type_k,
@@ -101,9 +112,11 @@ def _speculative_settings(args) -> dict:
     """LoadSettings fields for speculation (run, chat and serve: lookup on by default)."""
     from localllm.generation.speculative import MAX_DRAFT
     if not 1 <= args.lookup <= MAX_DRAFT:
-        raise ValueError(f"--lookup must be in 1..{MAX_DRAFT}, got {args.lookup}")
+        raise BadSetting(f"--lookup must be in 1..{MAX_DRAFT}, got {args.lookup}",
+                         param="lookup")
     if not 1 <= args.draft_max <= MAX_DRAFT:
-        raise ValueError(f"--draft-max must be in 1..{MAX_DRAFT}, got {args.draft_max}")
+        raise BadSetting(f"--draft-max must be in 1..{MAX_DRAFT}, got {args.draft_max}",
+                         param="draft_max")
     return dict(lookup=0 if args.no_lookup else args.lookup, draft=args.draft,
                 draft_max=args.draft_max)
 
@@ -484,11 +497,45 @@ def cmd_inspect(args) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-def _error_types():
-    from localllm.formats.fetch import FetchError
-    from localllm.formats.gguf import GGUFError
-    errors = [OSError, ValueError, FetchError, GGUFError, KeyError, TypeError, MemoryError]
-    return tuple(errors)
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _no_such_file(e: BaseException) -> str:
+    return f"no such file: {e.filename}" if getattr(e, "filename", None) else _first_line(e)
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How the command ends on one class of error."""
+    code: int
+    message: Callable[[BaseException], str] = _first_line   # the line after "error: "
+
+
+# Error class -> exit code and message. An error takes the row of the nearest class in its
+# method resolution order; a class in no row is a bug, and its traceback shows.
+EXITS: dict[type[BaseException], Exit] = {
+    BadSetting: Exit(EXIT_USAGE),
+    ModelFileError: Exit(EXIT_MODEL),         # GGUFError, UnsupportedModel
+    ContextFull: Exit(EXIT_INPUT),            # PromptTooLong
+    TokenOutOfVocab: Exit(EXIT_INPUT),
+    NotEnoughMemory: Exit(EXIT_MEMORY),
+    KVPoolFull: Exit(EXIT_MEMORY),
+    MemoryError: Exit(EXIT_MEMORY),
+    FetchError: Exit(EXIT_FETCH),
+    LocalLLMError: Exit(EXIT_ERROR),          # TokenizerError, TemplateError, the rest
+    FileNotFoundError: Exit(EXIT_ERROR, _no_such_file),
+    OSError: Exit(EXIT_ERROR),
+    ValueError: Exit(EXIT_ERROR),
+    KeyError: Exit(EXIT_ERROR),
+    TypeError: Exit(EXIT_ERROR),
+}
+
+
+def exit_for(e: BaseException) -> Exit | None:
+    """The EXITS row of an error, or None for one the command does not expect."""
+    return next((EXITS[c] for c in type(e).__mro__ if c in EXITS), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,17 +551,17 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (e.g. `| head`); nothing more to say.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except _error_types() as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, FileNotFoundError) and e.filename:
-            msg = f"no such file: {e.filename}"
-        sys.stderr.write(f"error: {msg}\n")
-        return EXIT_ERROR
+    except Exception as e:
+        row = exit_for(e)
+        if row is None:
+            raise
+        sys.stderr.write(f"error: {row.message(e)}\n")
+        return row.code
 
 
 if __name__ == "__main__":

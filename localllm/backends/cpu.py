@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from localllm.errors import BadSetting
 from localllm.formats.dequant import dequantize
 from localllm.formats.quants import row_nbytes
 from localllm.kernels import attention as attn_k
@@ -276,8 +277,9 @@ class CpuBackend:
         for t in (layout.k_type, layout.v_type):
             kvpages.check_head_dim(t, layout.head_dim)
         if layout.block_size <= 0 or layout.block_size % attn_k.KEYS_PER_BLOCK:
-            raise ValueError(f"KV block size must be a positive multiple of "
-                             f"{attn_k.KEYS_PER_BLOCK}, got {layout.block_size}")
+            raise BadSetting(f"KV block size must be a positive multiple of "
+                             f"{attn_k.KEYS_PER_BLOCK}, got {layout.block_size}",
+                             param="kv_block_size")
         kb, vb = _block_nbytes(layout)
         K = kvpages.PAGE_CLASSES[layout.k_type](_lazy_bytes(n_blocks * kb + kvpages.PAD))
         V = kvpages.PAGE_CLASSES[layout.v_type](_lazy_bytes(n_blocks * vb + kvpages.PAD))

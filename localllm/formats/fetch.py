@@ -18,13 +18,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from localllm.errors import FetchError
+
 from .filelock import abandoned, hold
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-class FetchError(RuntimeError):
-    """A model could not be fetched or failed its checksum."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from localllm.errors import GGUFError
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -62,25 +64,6 @@ _PLAIN_DTYPES = {
     "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8"),
     "I8": np.dtype("i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
 }
-
-
-class GGUFError(ValueError):
-    """A malformed or unsupported GGUF file.
-
-    Attributes:
-        field: which field is wrong, e.g. "tensor_info[3].offset" or "kv[5].value[17]".
-        offset: absolute byte offset of that field in the file.
-    """
-
-    def __init__(self, message: str, field: str, offset: int):
-        # All three in args, so the exception pickles (e.g. across worker processes).
-        super().__init__(message, field, offset)
-        self.message = message
-        self.field = field
-        self.offset = offset
-
-    def __str__(self) -> str:
-        return f"{self.message} [field {self.field} at byte {self.offset}]"
 
 
 @dataclass(frozen=True)

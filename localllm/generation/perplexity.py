@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from localllm.runtime.sequence import EngineError
+from localllm.errors import BadSetting
 
 _ROWS = 32  # logit rows turned into log-probabilities at a time (bounded memory)
 
@@ -99,11 +99,12 @@ def perplexity(model, ids: list[int], n_ctx: int, compare: list | None = None,
         {"windows", "tokens_scored", "ppl", "ppl_err", "seconds", "compare": [...]}.
     """
     if n_ctx < 4 or n_ctx > model.ctx:
-        raise EngineError(f"window size {n_ctx} must be between 4 and the context {model.ctx}")
+        raise BadSetting(f"window size {n_ctx} must be between 4 and the context {model.ctx}",
+                         param="n_ctx")
     n_win = len(ids) // n_ctx
     if n_win == 0:
-        raise EngineError(f"the text has {len(ids)} tokens, fewer than one window of {n_ctx}; "
-                          "use a smaller -c or a longer text")
+        raise BadSetting(f"the text has {len(ids)} tokens, fewer than one window of {n_ctx}; "
+                         "use a smaller -c or a longer text", param="n_ctx")
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     base = Score()
     comps = [Comparison(m.kv.k_type if m.kv.k_type == m.kv.v_type

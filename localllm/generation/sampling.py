@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localllm.errors import BadSetting, ConstraintError, TokenOutOfVocab
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -32,29 +34,35 @@ class SamplingParams:
     top_logprobs: int = 0        # also report this many most likely tokens per position
 
     def validate(self) -> None:
-        """Raise ValueError for settings that make no sense."""
+        """Raises:
+            BadSetting: a setting that makes no sense, named in ``param``.
+        """
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise BadSetting(f"temperature must be >= 0, got {self.temperature}",
+                             param="temperature")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise BadSetting(f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k")
         if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+            raise BadSetting(f"top_p must be in [0, 1], got {self.top_p}", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise BadSetting(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
         if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+            raise BadSetting(f"repeat_penalty must be > 0, got {self.repeat_penalty}",
+                             param="repeat_penalty")
         if self.repeat_last_n < -1:
-            raise ValueError(f"repeat_last_n must be >= -1, got {self.repeat_last_n}")
+            raise BadSetting(f"repeat_last_n must be >= -1, got {self.repeat_last_n}",
+                             param="repeat_last_n")
         if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+            raise BadSetting(f"max_tokens must be >= 0, got {self.max_tokens}",
+                             param="max_tokens")
         if self.seed is not None and not 0 <= int(self.seed) < 2 ** 64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise BadSetting(f"seed must be in [0, 2**64), got {self.seed}", param="seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError("stop strings must be non-empty strings")
+                raise BadSetting("stop strings must be non-empty strings", param="stop")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
-                             f"got {self.top_logprobs}")
+            raise BadSetting(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs}", param="top_logprobs")
 
 
 @dataclass
@@ -72,10 +80,6 @@ class Dist:
         """Returns: the probability of ``tok`` (0 outside the candidates)."""
         at = np.flatnonzero(self.ids == tok)
         return float(self.probs[at[0]]) if at.size else 0.0
-
-
-class ConstraintError(ValueError):
-    """The constraint allows no next token (a grammar with a dead end)."""
 
 
 class Sampler:
@@ -105,7 +109,9 @@ class Sampler:
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
         for tok in params.logit_bias:
             if not 0 <= int(tok) < vocab_size:
-                raise ValueError(f"logit_bias token {tok} is outside the vocabulary (0..{vocab_size - 1})")
+                raise TokenOutOfVocab(f"logit_bias token {tok} is outside the vocabulary "
+                                      f"(0..{vocab_size - 1})", param="logit_bias",
+                                      token=int(tok), vocab_size=vocab_size)
 
     def _penalize(self, z: np.ndarray, history: list[int]) -> None:
         p = self.p

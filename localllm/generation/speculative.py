@@ -10,7 +10,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .sampling import Dist, Sampler, SamplingParams
-from localllm.runtime.sequence import EngineError
+from localllm.errors import BadSetting, EngineError
 
 # Rejected drafts are trimmed from the sequences; a rollback of up to one KV block is always
 # exact (also on sliding-window layers), so no draft is longer.
@@ -253,17 +253,17 @@ class Speculator:
 
 
 def check_vocabularies(target, draft, target_name: str, draft_name: str) -> None:
-    """Raises EngineError naming the first difference that keeps ``draft``'s tokens from
+    """Raises BadSetting (``param`` "draft") naming the first difference that keeps ``draft``'s tokens from
     meaning the same as ``target``'s (tokenizers of two engine Models)."""
     if target.model != draft.model:
-        raise EngineError(f"draft model {draft_name} has a {draft.model!r} tokenizer, the target "
-                         f"{target_name} a {target.model!r} one")
+        raise BadSetting(f"draft model {draft_name} has a {draft.model!r} tokenizer, the target "
+                         f"{target_name} a {target.model!r} one", param="draft")
     if abs(target.vocab_size - draft.vocab_size) > 128:
-        raise EngineError(f"draft model {draft_name} has {draft.vocab_size} tokens, the target "
-                         f"{target_name} {target.vocab_size}")
+        raise BadSetting(f"draft model {draft_name} has {draft.vocab_size} tokens, the target "
+                         f"{target_name} {target.vocab_size}", param="draft")
     for i in range(min(target.vocab_size, draft.vocab_size)):
         a, b = target.token_text(i), draft.token_text(i)
         if a != b:
-            raise EngineError(f"draft model {draft_name} does not share the vocabulary of "
+            raise BadSetting(f"draft model {draft_name} does not share the vocabulary of "
                              f"{target_name}: token {i} is {b!r} in the draft, {a!r} in the "
-                             "target")
+                             "target", param="draft")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .common import ModelError
+from .common import ModelError, UnsupportedModel
 
 # architecture -> module name in this package
 ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -51,4 +51,5 @@ def build(meta: dict, loader, args=None, ctx: int = 0):
     return module.Model(args, loader, ctx)
 
 
-__all__ = ["ARCHITECTURES", "ALIASES", "ModelError", "build", "module_for", "supported"]
+__all__ = ["ARCHITECTURES", "ALIASES", "ModelError", "UnsupportedModel", "build", "module_for",
+           "supported"]

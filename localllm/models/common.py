@@ -8,9 +8,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from localllm.errors import UnsupportedModel
 
-class ModelError(ValueError):
-    """The file's metadata or tensors don't describe a model we can run."""
+# The architectures' name for localllm.errors.UnsupportedModel (the same class): the file's
+# metadata or tensors don't describe a model we can run.
+ModelError = UnsupportedModel
 
 
 def meta_get(meta: dict, key: str, default: Any = None, required: bool = False) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 from localllm.backends.base import KVLayout
 from localllm.models.common import Placement
-from .sequence import EngineError
+from localllm.errors import BadSetting, NotEnoughMemory
 
 BACKENDS = ("auto", "cpu", "torch", "mlx")
 GPU_MARGIN = 512 << 20    # left free on a GPU of its own: driver context, allocator slack
@@ -29,7 +29,7 @@ def parse_gpu_layers(value: Any) -> int | str:
     """``-ngl``'s value: a layer count (>= 0), 'auto' or 'all'.
 
     Raises:
-        ValueError: anything else.
+        BadSetting: anything else.
     """
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -38,7 +38,8 @@ def parse_gpu_layers(value: Any) -> int | str:
         return text
     if text.isdigit():
         return int(text)
-    raise ValueError(f"--gpu-layers must be a number of layers, 'auto' or 'all', got {value!r}")
+    raise BadSetting(f"--gpu-layers must be a number of layers, 'auto' or 'all', got {value!r}",
+                     param="gpu_layers")
 
 
 def _nvidia_present() -> bool:
@@ -51,10 +52,11 @@ def resolve_backend(name: str) -> str:
     Silicon, else 'cpu' (no GPU backend).
 
     Raises:
-        EngineError: an unknown name, or a backend whose package is not installed.
+        BadSetting: an unknown name, or a backend whose package is not installed.
     """
     if name not in BACKENDS:
-        raise EngineError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+        raise BadSetting(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})",
+                         param="backend")
     if name == "auto":
         if importlib.util.find_spec("torch") is not None and _nvidia_present():
             from localllm.backends.torch import cuda_available
@@ -72,7 +74,8 @@ def resolve_backend(name: str) -> str:
     if extra and importlib.util.find_spec(extra) is None:
         hint = ('pip install torch==2.13.0 (a CPU build) or pip install -e ".[torch]"'
                 if extra == "torch" else 'pip install -e ".[mlx]" (or "mlx[cpu]" off macOS)')
-        raise EngineError(f"the {name} backend needs the {extra} package: {hint}")
+        raise BadSetting(f"the {name} backend needs the {extra} package: {hint}",
+                         param="backend")
     return name
 
 
@@ -242,8 +245,9 @@ def plan_memory(tensors, args, cpu, gpu, req: PlanRequest, free: dict | None = N
     Returns:
         The MemoryPlan.
     Raises:
-        EngineError: the model does not fit (the message names the numbers), or a requested
-        split puts more on the GPU than it has free.
+        NotEnoughMemory: the model does not fit (the message names the numbers), or a
+            requested split puts more on the GPU than it has free.
+        BadSetting: a KV pool limit smaller than one context.
     """
     n = args.n_layers
     infos = [be.memory_info() for be in (cpu, gpu) if be is not None]
@@ -270,10 +274,10 @@ def plan_memory(tensors, args, cpu, gpu, req: PlanRequest, free: dict | None = N
     if req.kv_pool_mb:
         tokens = int(req.kv_pool_mb * (1 << 20)) // per_token
         if tokens < req.ctx:
-            raise EngineError(
+            raise BadSetting(
                 f"--kv-pool-mb {req.kv_pool_mb:g} holds {tokens} tokens of KV, less than the "
                 f"{req.ctx}-token context ({req.ctx * per_token / (1 << 20):.1f} MB); raise it "
-                "or lower --ctx-size")
+                "or lower --ctx-size", param="kv_pool_mb")
     else:
         tokens = POOL_CONTEXTS * req.ctx
         for pool in {d.pool for d in devs}:
@@ -298,13 +302,13 @@ def _check(devs, req: PlanRequest, free: dict, host: str, n_gpu: int, n: int) ->
     need = _needs(devs, req.ctx)
     for d in devs[1:]:
         if d.pool != host and need[d.pool] + GPU_MARGIN > free[d.pool]:
-            raise EngineError(
+            raise NotEnoughMemory(
                 f"not enough memory on {d.backend.device}: {n_gpu} of {n} layers need "
                 f"{d.weight_bytes / _GIB:.2f} GiB for weights, "
                 f"{req.ctx * d.kv_per_token / _GIB:.2f} GiB for a {req.ctx}-token KV cache and "
                 f"{d.scratch_bytes / _GIB:.2f} GiB of scratch, {free[d.pool] / _GIB:.2f} GiB "
                 f"is free ({GPU_MARGIN >> 20} MiB kept spare); try fewer --gpu-layers or "
-                f"--gpu-layers auto")
+                f"--gpu-layers auto", param="gpu_layers")
     mine = [d for d in devs if d.pool == host]
     if need.get(host, 0) > free[host]:
         weights = sum(d.weight_bytes for d in mine)
@@ -313,7 +317,8 @@ def _check(devs, req: PlanRequest, free: dict, host: str, n_gpu: int, n: int) ->
         where = (f" beside {n_gpu} layers on {devs[1].backend.device}"
                  if n_gpu and devs[1].pool != host else "")
         hint = " (try a smaller --ctx-size)" if kv > free[host] // 4 else ""
-        raise EngineError(
+        raise NotEnoughMemory(
             f"not enough memory: the model needs {weights / _GIB:.2f} GiB for weights and "
             f"{kv / _GIB:.2f} GiB for a {req.ctx}-token KV cache (and {scratch / _GIB:.2f} GiB "
-            f"of scratch){where}, {free[host] / _GIB:.2f} GiB is available{hint}")
+            f"of scratch){where}, {free[host] / _GIB:.2f} GiB is available{hint}",
+            param="ctx_size" if hint else None)

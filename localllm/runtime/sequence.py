@@ -12,13 +12,28 @@ from typing import Sequence as Seq
 import numpy as np
 
 from localllm.backends.base import KVLayout
-from localllm.runtime.kv.blocks import BlockPool, PoolExhausted, PoolStats
+from localllm.errors import (ContextFull, EmptyPrompt, EngineError, KVPoolFull, SequenceError,
+                             TokenOutOfVocab)
+from localllm.runtime.kv.blocks import BlockPool, PoolStats
 from localllm.runtime.kv.cache import CacheGroup, PagedCache, SeqKV
 from localllm.models.net import KVBatch, Net
 
+# EngineError is re-exported here, where it was defined before localllm.errors.
+__all__ = ["EngineError", "KVSpace", "KVStats", "Runner", "Sequence", "check_tokens"]
 
-class EngineError(ValueError):
-    """A request the engine cannot serve (e.g. a prompt longer than the context)."""
+
+def check_tokens(ids: Seq[int], vocab_size: int, param: str | None = None) -> None:
+    """Raises TokenOutOfVocab naming the first id outside 0..vocab_size - 1.
+
+    Args:
+        ids: token ids.
+        vocab_size: the model's vocabulary size.
+        param: the argument or request field the ids came from.
+    """
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise TokenOutOfVocab(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                              param=param, token=int(bad), vocab_size=vocab_size)
 
 
 @dataclass
@@ -116,7 +131,8 @@ class Sequence:
         latest checkpoint before it; a rollback of up to a block is always exact)."""
         self._check()
         if not 0 <= n <= len(self._tokens):
-            raise EngineError(f"cannot trim a sequence of {len(self._tokens)} tokens to {n}")
+            raise SequenceError(f"cannot trim a sequence of {len(self._tokens)} tokens to {n}",
+                                param="n")
         return self._runner.rewind(self, n)
 
     def adopt(self, other: "Sequence") -> None:
@@ -137,7 +153,7 @@ class Sequence:
 
     def _check(self) -> None:
         if self.released:
-            raise EngineError("this sequence has been released")
+            raise SequenceError("this sequence has been released")
 
     def __enter__(self):
         return self
@@ -169,9 +185,10 @@ class Runner:
         """Tokens appended to one sequence in prompt chunks of at most batch_size."""
         ids = [int(t) for t in ids]
         if not ids:
-            raise EngineError("nothing to process")
+            raise EmptyPrompt("nothing to process", param="ids")
         if len(seq) + len(ids) > self.ctx:
-            raise EngineError(f"{len(seq) + len(ids)} tokens exceed the context size {self.ctx}")
+            raise ContextFull(f"{len(seq) + len(ids)} tokens exceed the context size {self.ctx}",
+                              param="ids")
         outs = []
         bs = self.batch_size
         for s in range(0, len(ids), bs):
@@ -191,29 +208,28 @@ class Runner:
         Returns:
             Per item: float32 (len(ids), vocab), (vocab,) or None.
         Raises:
-            EngineError: bad tokens, a full context or a full KV pool.
+            SequenceError: a sequence released, or given twice.
+            EmptyPrompt, ContextFull, TokenOutOfVocab: no tokens, too many, or unknown ones.
+            KVPoolFull: the KV pool has no room for the new tokens.
         """
         self._collect()
         cache = self.space.cache
         if len({id(s) for s, _, _ in items}) != len(items):
-            raise EngineError("a sequence appears twice in one step")
+            raise SequenceError("a sequence appears twice in one step")
         for seq, ids, _ in items:
             seq._check()
             if not ids:
-                raise EngineError("nothing to process")
+                raise EmptyPrompt("nothing to process", param="ids")
             if len(seq) + len(ids) > self.ctx:
-                raise EngineError(f"{len(seq) + len(ids)} tokens exceed the context size "
-                                  f"{self.ctx}")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise EngineError(f"token id {bad[0]} is outside the vocabulary "
-                                  f"(0..{self.vocab_size - 1})")
+                raise ContextFull(f"{len(seq) + len(ids)} tokens exceed the context size "
+                                  f"{self.ctx}", param="ids")
+            check_tokens(ids, self.vocab_size, "ids")
         for seq, ids, _ in items:
             try:
                 cache.reserve(seq.kv, len(ids))
-            except PoolExhausted as e:
-                raise EngineError(f"the KV cache is full ({e}); free sequences, or give the "
-                                  "pool more room (--kv-pool-mb)") from None
+            except KVPoolFull as e:
+                raise KVPoolFull(f"the KV cache is full ({e}); free sequences, or give the "
+                                 "pool more room (--kv-pool-mb)", param="kv_pool_mb") from None
         lens = [len(ids) for _, ids, _ in items]
         flat = np.fromiter((t for _, ids, _ in items for t in ids), np.int64, sum(lens))
         positions = np.concatenate([np.arange(len(s), len(s) + n, dtype=np.int64)

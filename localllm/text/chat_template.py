@@ -17,13 +17,10 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from localllm.errors import TemplateError
 from localllm.text.template_guard import GuardedEnvironment, LimitExceeded, RenderLimits
 
 _C_SPACE = " \t\n\x0b\x0c\r"  # isspace() in the C locale: what llama.cpp's trim() strips
-
-
-class TemplateError(ValueError):
-    """A chat template could not be found, compiled or rendered."""
 
 
 def _llama2(system: bool, bos_inside: bool, strip: bool) -> str:

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from localllm.errors import TokenizerError
 from localllm.text.tokenizer_bpe import (
     CHAR_TO_BYTE,
     BPEMerger,
@@ -63,10 +64,6 @@ _CLEAN_1 = re.compile(rb" (?=[?!.,])")
 _CLEAN_2 = re.compile(rb" ' ")
 _CLEAN_3 = re.compile(rb" (?='(?:[sm]|re|ve))")
 _BYTE_TEXT = re.compile("<0x[0-9A-Fa-f]{2}>")
-
-
-class TokenizerError(ValueError):
-    """The metadata describes a tokenizer this module cannot build, or input it cannot encode."""
 
 
 def _as_list(arr, n: int, conv) -> list:

@@ -178,4 +178,4 @@ def test_list_and_command_line_errors(tmp_path, smollm_path):
     r = run("chat", str(smollm_path))
     assert r.returncode == 1 and "needs a terminal" in r.stderr
     r = run("chat", "--temp", "-1")
-    assert r.returncode == 1 and r.stderr.startswith("error: temperature must be >= 0")
+    assert r.returncode == 2 and r.stderr.startswith("error: temperature must be >= 0")

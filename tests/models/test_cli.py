@@ -108,29 +108,30 @@ def bad_files(tmp_path, smollm_path, gemma_path):
             "missing": tmp_path / "missing.gguf", "gemma": gemma_path}
 
 
-@pytest.mark.parametrize("case, args, needle", [
-    ("missing", ["run", "{missing}", "-p", "hi"], "no such"),
-    ("text", ["run", "{text}", "-p", "hi"], "not a GGUF"),
-    ("trunc", ["run", "{trunc}", "-p", "hi"], "past end of file"),
-    ("arch", ["run", "{arch}", "-p", "hi"], "unsupported architecture"),
-    ("ctx", ["run", "-c", "16", "-p", "word " * 60], "context"),
-    ("temp", ["run", "-p", "hi", "--temp", "abc"], "--temp"),
-    ("top_p", ["run", "-p", "hi", "--top-p", "2"], "top_p"),
-    ("n", ["run", "-p", "hi", "-n", "many"], "-n"),
-    ("threads", ["run", "-p", "hi", "--threads", "-3"], "threads"),
-    ("name", ["run", "no-such-model", "-p", "hi"], "no such model"),
-    ("template", ["run", "-p", "hi", "--chat-template", "{tmpl}"], "template"),
-    ("inspect", ["inspect", "{missing}"], "no such"),
-    ("memory", ["run", "-c", "100000000", "-p", "hi"], "not enough memory"),
-    ("lookup", ["run", "-p", "hi", "--lookup", "40"], "--lookup"),
-    ("draft_max", ["run", "-p", "hi", "--draft-max", "0"], "--draft-max"),
-    ("draft", ["run", "-p", "hi", "--draft", "{gemma}"], "tokenizer"),
-    ("draft_missing", ["run", "-p", "hi", "--draft", "{missing}"], "no such"),
+@pytest.mark.parametrize("case, args, needle, code", [
+    ("missing", ["run", "{missing}", "-p", "hi"], "no such", 1),
+    ("text", ["run", "{text}", "-p", "hi"], "not a GGUF", 3),
+    ("trunc", ["run", "{trunc}", "-p", "hi"], "past end of file", 3),
+    ("arch", ["run", "{arch}", "-p", "hi"], "unsupported architecture", 3),
+    ("ctx", ["run", "-c", "16", "-p", "word " * 60], "context", 4),
+    ("temp", ["run", "-p", "hi", "--temp", "abc"], "--temp", 2),
+    ("top_p", ["run", "-p", "hi", "--top-p", "2"], "top_p", 2),
+    ("n", ["run", "-p", "hi", "-n", "many"], "-n", 2),
+    ("threads", ["run", "-p", "hi", "--threads", "-3"], "threads", 2),
+    ("name", ["run", "no-such-model", "-p", "hi"], "no such model", 1),
+    ("template", ["run", "-p", "hi", "--chat-template", "{tmpl}"], "template", 1),
+    ("inspect", ["inspect", "{missing}"], "no such", 1),
+    ("memory", ["run", "-c", "100000000", "-p", "hi"], "not enough memory", 5),
+    ("lookup", ["run", "-p", "hi", "--lookup", "40"], "--lookup", 2),
+    ("draft_max", ["run", "-p", "hi", "--draft-max", "0"], "--draft-max", 2),
+    ("draft", ["run", "-p", "hi", "--draft", "{gemma}"], "tokenizer", 2),
+    ("draft_missing", ["run", "-p", "hi", "--draft", "{missing}"], "no such", 1),
 ])
-def test_bad_input_is_one_clear_line(bad_files, case, args, needle):
+def test_bad_input_is_one_clear_line(bad_files, case, args, needle, code):
+    """One line, and the exit code of the error's class (apps/cli.py EXITS; 2 for usage)."""
     args = [a.format(**bad_files) for a in args]
     r = llm(*args)
-    assert r.returncode != 0
+    assert r.returncode == code, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error:")

@@ -221,6 +221,37 @@ def test_errors_in_openai_shape(client, http):
     assert err["code"] == "context_length_exceeded" and "1024" in err["message"]
 
 
+def test_prompt_errors_are_the_engines_own_as_400s(http):
+    """The engine checks prompts and raises typed errors; the server's table gives the same
+    400s it always gave, naming the request field, for every prompt before any output (also
+    when the bad prompt is the second of two, and when the client asked for a stream)."""
+    vocab = 49152   # SmolLM2's
+    body = {"max_tokens": 2, "temperature": 0}
+    for stream in (False, True):
+        err = error_of(http.post("/v1/completions", json={
+            **body, "stream": stream, "prompt": [[1, 2, 3], [1, vocab + 7]]}), 400)
+        assert err == {"message": f"token id {vocab + 7} is outside the vocabulary "
+                                  f"(0..{vocab - 1})", "type": "invalid_request_error",
+                       "param": "prompt", "code": "invalid_value"}
+    err = error_of(http.post("/v1/completions", json={**body, "prompt": [-3, 5]}), 400)
+    assert err["param"] == "prompt" and "token id -3" in err["message"]
+    err = error_of(http.post("/v1/completions", json={**body, "prompt": [1] * 1024}), 400)
+    assert err == {"message": "the prompt has 1024 tokens but the context holds 1024; shorten "
+                              "it, or restart the server with a larger --ctx-size",
+                   "type": "invalid_request_error", "param": "prompt",
+                   "code": "context_length_exceeded"}
+    err = error_of(http.post("/v1/responses", json={"input": "word " * 1100,
+                                                    "max_output_tokens": 2}), 400)
+    assert (err["param"], err["code"]) == ("input", "context_length_exceeded")
+    err = error_of(http.post("/v1/chat/completions", json={
+        "messages": QUESTION, **body, "logit_bias": {str(vocab): 5}}), 400)
+    assert (err["param"], err["code"]) == ("logit_bias", "invalid_value")
+    assert f"token {vocab} is outside the vocabulary" in err["message"]
+    # the server still answers after each refusal
+    r = http.post("/v1/completions", json={**body, "prompt": [1, 2, 3]})
+    assert r.status_code == 200, r.text
+
+
 def test_json_output(client, http):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}},
               "required": ["name"]}

@@ -10,9 +10,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from localllm import __version__
+from localllm.errors import TokenOutOfVocab
 from . import openai_api, responses_api
 from .common import ServerState
-from .errors import APIError, error_body, install_handlers
+from .errors import APIError, api_error, error_body, install_handlers
 from .schemas import DetokenizeRequest, TokenizeRequest
 from .security import GuardMiddleware, HostAllowlist
 
@@ -111,11 +112,10 @@ def _add_service_routes(app: FastAPI) -> None:
         ids = list(body.tokens)
 
         def run(m):
-            bad = next((t for t in ids if t >= m.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary "
-                                    f"(0..{m.vocab_size - 1})", "invalid_value", "tokens")
-            return m.detokenize(ids)
+            try:
+                return m.detokenize(ids)
+            except TokenOutOfVocab as e:
+                raise api_error(e, "tokens") from None
         return JSONResponse({"content": await s.scheduler.call(run)})
 
 

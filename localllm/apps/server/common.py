@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from localllm.generation.sampling import SamplingParams
-from .errors import APIError
+from .errors import APIError, request_error
 from .metrics import Metrics
 from .runs import Done, Event, Failed, Finished, OutputFormat, TokenLogprob, Usage
 from .scheduler import Job, Scheduler
@@ -104,8 +104,8 @@ class ServerState:
         s["ignore_eos"] = req.ignore_eos or s.get("ignore_eos", False)
         try:
             SamplingParams(**s).validate()
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_value") from None
+        except ValueError as e:   # BadSetting, by the table
+            raise request_error(e) from None
         return s
 
 

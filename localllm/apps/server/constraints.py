@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 
-from localllm.generation.constrain import GrammarError, TokenConstraint
-from .errors import APIError
+from localllm.errors import GrammarError
+from localllm.generation.constrain import TokenConstraint
+from .errors import api_error
 from .runs import OutputFormat
 
 
@@ -35,10 +36,10 @@ class Constraints:
                 c = TokenConstraint.json_object(model.token_vocab)
             else:
                 c = TokenConstraint.json_schema(fmt.schema, model.token_vocab)
-        except (GrammarError, RecursionError) as e:
-            reason = str(e) if isinstance(e, GrammarError) else "the schema is nested too deeply"
-            raise APIError(400, f"{fmt.param}: {reason}", "unsupported_schema",
-                           fmt.param) from None
+        except GrammarError as e:
+            raise api_error(e, fmt.param) from None
+        except RecursionError:
+            raise api_error(GrammarError("the schema is nested too deeply"), fmt.param) from None
         self._items[key] = c
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)

@@ -1,14 +1,22 @@
 """Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, with honest
-status codes and never a traceback or a file path in the body."""
+status codes and never a traceback or a file path in the body; the engine's typed errors
+become these through one table, ERROR_STATUS."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
+
+from localllm.errors import (BadSetting, ConstraintError, ContextFull, EmptyPrompt, GrammarError,
+                             KVPoolFull, LocalLLMError, PromptTooLong, TemplateError,
+                             TokenizerError, TokenOutOfVocab)
+from localllm.generation.sampling import SamplingParams
 
 log = logging.getLogger("localllm.apps.server")
 
@@ -41,6 +49,78 @@ def error_body(status: int, message: str, code: str | None = None,
     """The OpenAI error object for a status and message."""
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
+
+
+def _too_long(e: PromptTooLong, param: str | None) -> str:
+    if not e.n_tokens:
+        return _first_line(e)
+    return (f"the prompt has {e.n_tokens} tokens but the context holds {e.ctx}; shorten it, "
+            "or restart the server with a larger --ctx-size")
+
+
+@dataclass(frozen=True)
+class Status:
+    """How the server answers one class of the engine's errors."""
+    status: int
+    code: str
+    # The message from the error and the request field; None: the error's first line.
+    message: Callable[[LocalLLMError, str | None], str] | None = None
+
+
+# The engine's error classes -> HTTP status and OpenAI error code. An error takes the row of
+# the nearest class in its method resolution order, so subclasses come with their own row
+# only where they answer differently.
+ERROR_STATUS: dict[type[LocalLLMError], Status] = {
+    PromptTooLong: Status(400, "context_length_exceeded", _too_long),
+    ContextFull: Status(400, "context_length_exceeded"),
+    TokenOutOfVocab: Status(400, "invalid_value"),
+    EmptyPrompt: Status(400, "invalid_value"),
+    BadSetting: Status(400, "invalid_value"),
+    GrammarError: Status(400, "unsupported_schema", lambda e, param: f"{param}: {_first_line(e)}"),
+    ConstraintError: Status(400, "invalid_value"),
+    TemplateError: Status(400, "invalid_value"),
+    TokenizerError: Status(400, "invalid_value"),
+    KVPoolFull: Status(400, "invalid_value"),
+    LocalLLMError: Status(400, "invalid_value"),   # any other refusal of the engine's
+}
+
+# The engine's ``param`` names reach the client only where they are request fields too (the
+# sampling settings); the server names the request field of a prompt itself.
+_REQUEST_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or ["invalid request"])[0]
+
+
+def api_error(exc: LocalLLMError, param: str | None = None) -> APIError:
+    """The answer to an engine error, by ERROR_STATUS.
+
+    Args:
+        exc: the error.
+        param: the request field at fault; None: the error's own ``param`` where that names
+            a request field.
+    Returns:
+        The APIError to raise or deliver.
+    """
+    row = next(ERROR_STATUS[c] for c in type(exc).__mro__ if c in ERROR_STATUS)
+    if param is None and exc.param in _REQUEST_FIELDS:
+        param = exc.param
+    message = row.message(exc, param) if row.message else _first_line(exc)
+    return APIError(row.status, message, row.code, param)
+
+
+def request_error(e: BaseException) -> APIError:
+    """What a client is told when its request fails (details of a bug stay in the log): an
+    APIError as it is, an engine error by ERROR_STATUS, any other ValueError as a 400."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, LocalLLMError):
+        return api_error(e)
+    if isinstance(e, ValueError):
+        return APIError(400, _first_line(e), "invalid_value")
+    log.error("internal error while serving a request", exc_info=e)
+    return APIError(500, "internal server error", "internal_error")
 
 
 def busy(message: str, retry_after: int = 1) -> APIError:
@@ -94,6 +174,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(LocalLLMError)
+    async def _engine_error(request: Request, exc: LocalLLMError):
+        return api_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

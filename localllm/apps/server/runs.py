@@ -8,7 +8,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .errors import APIError
+from localllm.errors import LocalLLMError
+
+from .errors import APIError, api_error
 from .metrics import Metrics, RequestRecord
 
 SEED_SPACE = 2 ** 64
@@ -169,7 +171,6 @@ class JobRun:
         self.submitted = submitted
         self.constraint = constraint
         self.running = False
-        self._check_bias(spec.sampling.get("logit_bias") or {})
         seed = spec.sampling.get("seed")
         self._groups: list[_Group] = []
         for p, prompt in enumerate(spec.prompts):
@@ -193,23 +194,11 @@ class JobRun:
             ids = m.tokenize(prompt.text, add_special=self.spec.add_special)
         else:
             ids = list(prompt.ids or [])
-            bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary "
-                                    f"(0..{m.vocab_size - 1})", "invalid_value", prompt.param)
-        if not ids:
-            raise APIError(400, "the prompt is empty", "invalid_value", prompt.param)
-        if len(ids) >= m.ctx:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the context holds "
-                                f"{m.ctx}; shorten it, or restart the server with a larger "
-                                "--ctx-size", "context_length_exceeded", prompt.param)
+        try:   # every prompt now, before any choice starts
+            m.check_prompt(ids)
+        except LocalLLMError as e:
+            raise api_error(e, prompt.param) from None
         return ids
-
-    def _check_bias(self, bias: dict) -> None:
-        bad = next((t for t in bias if not 0 <= t < self.model.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"logit_bias names token {bad}, outside the vocabulary "
-                                f"(0..{self.model.vocab_size - 1})", "invalid_value", "logit_bias")
 
     @property
     def started(self) -> bool:

@@ -5,20 +5,18 @@ event loop. The kernels release the GIL, so the loop keeps serving while a step 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import APIError, busy
+from .errors import APIError, busy, request_error
 from .metrics import Gauges, Metrics
 from localllm.generation.batching import Batcher
 from .constraints import Constraints
 from .runs import Event, Failed, GenerationSpec, JobRun
 
-log = logging.getLogger("localllm.apps.server")
 
 @dataclass
 class Limits:
@@ -253,7 +251,7 @@ class Scheduler:
                     return
                 job.emit(job.run.start(self.batcher))
             except Exception as e:  # noqa: BLE001 - the request fails, never the worker
-                self._fail(job, _request_error(e))
+                self._fail(job, request_error(e))
 
     def _constraint(self, spec):
         return self.constraints.get(self.model, spec.output) if spec.output else None
@@ -292,14 +290,8 @@ class Scheduler:
     def _run_call(self, c: _Call) -> None:
         try:
             _deliver(c.loop, c.future, c.fn(self.model))
-        except APIError as e:
-            _deliver(c.loop, c.future, error=e)
-        except ValueError as e:
-            _deliver(c.loop, c.future, error=APIError(400, str(e), "invalid_value"))
-        except Exception:  # noqa: BLE001
-            log.exception("internal error in a worker call")
-            _deliver(c.loop, c.future,
-                     error=APIError(500, "internal server error", "internal_error"))
+        except Exception as e:  # noqa: BLE001 - the call fails, never the worker
+            _deliver(c.loop, c.future, error=request_error(e))
 
     def _advance(self, job: Job) -> None:
         if not job.run.running:
@@ -307,7 +299,7 @@ class Scheduler:
         try:
             events = job.run.advance(self.batcher)
         except Exception as e:  # noqa: BLE001
-            self._fail(job, _request_error(e))
+            self._fail(job, request_error(e))
             return
         job.emit(events)
         if job.run.done:
@@ -333,13 +325,3 @@ class Scheduler:
         with self._cond:
             if job in self._active:
                 self._active.remove(job)
-
-
-def _request_error(e: BaseException) -> APIError:
-    """What a client is told when its request fails on the worker (details stay in the log)."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ValueError):   # the engine's word on a request it cannot serve
-        return APIError(400, (str(e).splitlines() or ["invalid request"])[0], "invalid_value")
-    log.error("internal error while generating", exc_info=e)
-    return APIError(500, "internal server error", "internal_error")

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from localllm.errors import ConstraintError
 from localllm.kernels import grammar as kg
 
 from .grammar import CompiledGrammar, Limits
@@ -132,10 +133,10 @@ class TokenConstraint:
         return out
 
     def advance(self, token_id: int) -> None:
-        """Moves past ``token_id``. Raises: ValueError if it is not allowed."""
+        """Moves past ``token_id``. Raises: ConstraintError if it is not allowed."""
         t = int(token_id)
         if not self.allowed(t):
-            raise ValueError(f"token {t} is not allowed by the constraint here")
+            raise ConstraintError(f"token {t} is not allowed by the constraint here")
         if self._is_eog(t):
             self._done = True
             return

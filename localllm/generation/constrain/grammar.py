@@ -9,14 +9,11 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
+from localllm.errors import GrammarError
 from localllm.kernels import grammar as kg
 
 MAX_CP = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
-
-
-class GrammarError(ValueError):
-    """A grammar (or the schema it came from) that cannot be used; the message says why."""
 
 
 # ----------------------------------------------------------------------------- classes

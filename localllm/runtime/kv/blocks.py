@@ -11,9 +11,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
+from localllm.errors import KVPoolFull
 
-class PoolExhausted(RuntimeError):
-    """Every block of a pool is referenced: nothing is free and nothing cached can be evicted."""
+# Every block of a pool is referenced: nothing is free and nothing cached can be evicted.
+# The pool's name for localllm.errors.KVPoolFull (the same class, still a RuntimeError).
+PoolExhausted = KVPoolFull
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, start: int = 0,
