@@ -33,7 +33,7 @@ from localllm.models.common import WeightLoader, check_blocks
 from localllm.runtime import warm
 from localllm.runtime.placement import (PlanRequest, make_gpu_backend, parse_gpu_layers, plan_memory,
                                         resolve_backend)
-from localllm.runtime.sequence import EngineError, KVSpace, KVStats, Runner, Sequence
+from localllm.runtime.sequence import EngineError, KVSpace, KVStats, Runner, Sequence, StepItem
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
 
@@ -42,7 +42,7 @@ KV_TYPES = ("f16", "bf16", "q8_0", "q4_0", "fp8")
 # Default pool: room for this many full contexts (one request's, plus cached prefixes).
 
 __all__ = ["EngineError", "Generation", "KVStats", "LoadSettings", "Model", "Sequence",
-           "load"]
+           "StepItem", "load"]
 
 
 @dataclass
@@ -289,9 +289,17 @@ class Model:
         """Drop the cached prefixes of finished requests (the next prompts run in full)."""
         self.kv.cache.forget_cached()
 
-    def step(self, items: list[tuple[Sequence, list[int], bool | None]]) -> list:
+    def step(self, items: list[StepItem]) -> list:
         """One forward pass over several sequences' new tokens (continuous batching, a
-        speculative verification): see sequence.Runner.step."""
+        speculative verification).
+
+        Args:
+            items: StepItem(sequence, tokens, logits "none" | "last" | "all"), each
+                sequence at most once.
+        Returns:
+            Per item: float32 (len(tokens), vocab) for "all", (vocab,) for "last", None for
+            "none" (see runtime.sequence.Runner.step).
+        """
         return self._runner.step(items)
 
     # ---- scoring and generation -----------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.api import EngineError
+from localllm.api import EngineError, StepItem
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logits"
 TOP1_MIN = {"smollm": 0.95, "gemma": 0.92}  # where llama.cpp sits from our CPU backend
@@ -49,12 +49,12 @@ def compare(ref, got, chunk=64):
 def greedy_rows(m, seqs):
     """Argmax of every continuation position of the given (prompt, continuation) pairs, all
     sequences in one forward pass."""
-    items = [(m.new_sequence(), p + c, True) for p, c in seqs]
+    items = [StepItem(m.new_sequence(), p + c, "all") for p, c in seqs]
     try:
         outs = m.step(items)
     finally:
-        for s, _, _ in items:
-            s.release()
+        for it in items:
+            it.seq.release()
     return [o[len(p) - 1:len(p) + len(c) - 1].argmax(1) for o, (p, c) in zip(outs, seqs)]
 
 
@@ -142,15 +142,15 @@ def test_step_fork_and_trim_on_a_split(smollm_path, loaded, config):
     whole = m.logits(ids)
     # one forward over three sequences of different lengths, one of them mid-prompt
     parts = [ids[:70], ids[:23], ids[40:90]]
-    items = [(m.new_sequence(), p, True) for p in parts]
+    items = [StepItem(m.new_sequence(), p, "all") for p in parts]
     try:
         outs = m.step(items)
         _close(outs[0], whole[:70], "step row 0")
         _close(outs[1], whole[:23], "step row 1")
         _close(outs[2], m.logits(ids[40:90]), "step row 2")
     finally:
-        for seq, _, _ in items:
-            seq.release()
+        for it in items:
+            it.seq.release()
     # a fork shares the half-filled block and copies it when either side writes on
     with m.new_sequence() as a:
         a.feed(ids[:37])

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from localllm.runtime.sequence import StepItem
+
 from .decoder import GenerationStats
 
 
 @dataclass
 class Request:
     """One generation in a Batcher: its output arrives in ``chunks`` as steps run."""
-    decoding: object                  # engine.Decoding: decoder, sequence, ownership
+    decoding: object                  # api.Decoding: decoder, sequence, ownership
     chunks: deque = field(default_factory=deque)
     done: bool = False
     error: Exception | None = None
@@ -74,16 +76,16 @@ class Batcher:
         prefill = [r for r in self.active if not r.decoding.prompted]
         for r in decoding:  # a drafted run wants every position's logits, to verify
             d = r.decoding.decoder
-            items.append((r.decoding.seq, d.pending, d.all_logits))
+            items.append(StepItem(r.decoding.seq, d.pending, "all" if d.all_logits else "last"))
             reqs.append(r)
-            budget -= len(r.decoding.decoder.pending)
+            budget -= len(d.pending)
         for r in prefill:
             if budget <= 0:
                 break
             todo = r.decoding.decoder.pending[r._ran:]
             chunk = todo[:budget]
             last = len(chunk) == len(todo)
-            items.append((r.decoding.seq, chunk, False if last else None))
+            items.append(StepItem(r.decoding.seq, chunk, "last" if last else "none"))
             reqs.append(r)
             budget -= len(chunk)
         if not items:
@@ -95,9 +97,9 @@ class Batcher:
                 self._fail(r, e)
             return reqs
         touched = []
-        for r, (_, chunk, want), logits in zip(reqs, items, outs):
-            if want is None:
-                r._ran += len(chunk)
+        for r, it, logits in zip(reqs, items, outs):
+            if it.logits == "none":
+                r._ran += len(it.tokens)
                 continue
             r._ran = 0
             r.decoding.prompted = True

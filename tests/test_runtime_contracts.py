@@ -1,0 +1,92 @@
+"""The runtime's and the orchestration's contracts: a step is a list of named StepItems,
+a Sequence alone writes its tokens, the KV space owns the layer -> group mapping, the Decoder
+takes its settings by keyword, and the Batcher sizes its own next step."""
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import localllm
+from localllm.api import StepItem
+
+PACKAGE = Path(__file__).resolve().parents[1] / "localllm"
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_path):
+    m = localllm.load(smollm_path, ctx_size=1024, threads=2, batch_size=64)
+    yield m
+    m.close()
+
+
+# ---- StepItem ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [True, False, None, "every", "LAST", 1])
+def test_a_step_item_refuses_a_bad_logits_value(bad):
+    with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
+        StepItem(None, [1, 2], bad)
+
+
+def test_step_takes_named_items_and_returns_what_each_asks(smollm):
+    m = smollm
+    ids = m.tokenize("The quick brown fox jumps over the lazy dog")
+    whole = m.logits(ids)
+    with m.new_sequence() as a, m.new_sequence() as b, m.new_sequence() as c:
+        outs = m.step([StepItem(a, ids, "all"), StepItem(b, ids, "last"),
+                       StepItem(c, ids[:4], "none")])
+        assert outs[0].shape == whole.shape and np.array_equal(outs[0], whole)
+        assert np.array_equal(outs[1], whole[-1])
+        assert outs[2] is None
+        assert len(c) == 4
+        with pytest.raises(TypeError, match="StepItem"):
+            m.step([(c, ids[4:], False)])   # the old positional tuple is refused
+
+
+# ---- Sequence owns its tokens ------------------------------------------------------------
+
+def test_no_module_writes_a_sequences_tokens_from_outside():
+    """``_tokens`` is read or written only by Sequence's own methods."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        inside = set()
+        for cls in ast.walk(tree):
+            if isinstance(cls, ast.ClassDef) and cls.name == "Sequence":
+                inside |= {id(n) for n in ast.walk(cls)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "_tokens"
+                    and id(node) not in inside
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_the_runner_changes_tokens_only_through_the_sequence(smollm):
+    m = smollm
+    ids = m.tokenize("A sequence holds the tokens whose keys and values it has, " * 4)
+    assert len(ids) > 2 * m.settings.kv_block_size
+    m.forget_cached()
+    with m.new_sequence() as seq:
+        seq.feed(ids[:20])
+        toks = seq.tokens
+        assert isinstance(toks, tuple) and toks == tuple(ids[:20])
+        seq.feed(ids[20:30])
+        assert toks == tuple(ids[:20])           # what was handed out never changes
+        assert seq.tokens == tuple(ids[:30])
+        assert seq.trim(25) == 25 and seq.tokens == tuple(ids[:25])
+        # reuse keeps the common prefix with a new prompt, and nothing after it
+        assert m.prepare(seq, ids[:22] + [7, 8, 9]) == 22
+        assert seq.tokens == tuple(ids[:22])
+    with m.new_sequence() as first:
+        first.feed(ids)
+    # a fresh sequence takes a longer prefix from the cache, its tokens with it
+    with m.new_sequence() as seq:
+        n = m.prepare(seq, ids)
+        assert n >= 2 * m.settings.kv_block_size and seq.tokens == tuple(ids[:n])
+        last = seq.feed(ids[n:])
+        assert seq.tokens == tuple(ids)
+    assert np.array_equal(last, m.logits(ids)[-1])
