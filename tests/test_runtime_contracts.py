@@ -12,6 +12,8 @@ import pytest
 
 import localllm
 from localllm.api import StepItem
+from localllm.models.net import PlacedLayer
+from localllm.runtime.sequence import kv_groups
 
 PACKAGE = Path(__file__).resolve().parents[1] / "localllm"
 
@@ -90,3 +92,25 @@ def test_the_runner_changes_tokens_only_through_the_sequence(smollm):
         last = seq.feed(ids[n:])
         assert seq.tokens == tuple(ids)
     assert np.array_equal(last, m.logits(ids)[-1])
+
+
+# ---- KV groups -------------------------------------------------------------------------
+
+def test_the_kv_space_owns_each_layers_group(gemma_path):
+    assert "group" not in {f.name for f in dataclasses.fields(PlacedLayer)}
+    m = localllm.load(gemma_path, ctx_size=512, threads=2)
+    try:
+        layers = m.net.layers
+        groups = kv_groups(layers)
+        assert len(groups) == 2                     # sliding-window layers and global ones
+        assert sorted(i for g in groups for i in g.layers) == list(range(len(layers)))
+        for gi, g in enumerate(groups):
+            for i in g.layers:
+                assert m.kv.layer_group[i] == gi
+                assert layers[i].spec.window == g.window
+                assert m.kv.group_layers[gi][g.layers.index(i)] is layers[i]
+        assert {g.window > 0 for g in groups} == {True, False}
+        assert [g.layers for g in groups] == [tuple(c.layers) for c in m.kv.cache.groups]
+        assert not any(hasattr(la, "group") for la in layers)   # nothing written into them
+    finally:
+        m.close()

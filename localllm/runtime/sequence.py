@@ -37,24 +37,51 @@ class KVStats:
     groups: list[PoolStats]
 
 
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """Layers that share one block table per sequence: those with the same sliding window
+    (0: full attention), KV heads and head size."""
+    window: int
+    n_kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]    # layer indices, in order
+
+
+def kv_groups(layers: Seq) -> list[KVGroupSpec]:
+    """Group a net's placed layers by block layout, groups in order of first appearance.
+
+    Args:
+        layers: the net's PlacedLayers.
+    Returns:
+        One KVGroupSpec per group; every layer is in exactly one.
+    """
+    members: dict[tuple[int, int, int], list[int]] = {}
+    for layer in layers:
+        s = layer.spec
+        members.setdefault((s.window, s.n_kv_heads, s.head_dim), []).append(layer.index)
+    return [KVGroupSpec(w, n_kv, hd, tuple(ix)) for (w, n_kv, hd), ix in members.items()]
+
+
 class KVSpace:
     """A model's paged KV cache: its layers grouped by block layout (window, heads, head
-    size), a block pool per group, and each layer's pages on that layer's backend."""
+    size), a block pool per group, and each layer's pages on that layer's backend.
+    ``layer_group[i]`` is layer i's group: the forward pass reads it from here (KVBatch)."""
 
     def __init__(self, net: Net, k_type: str, v_type: str, block_size: int, pool_tokens: int,
                  model_key: bytes, max_checkpoints: int = 4):
         self.k_type, self.v_type, self.block_size = k_type, v_type, block_size
-        keys: dict[tuple, int] = {}
-        for layer in net.layers:
-            s = layer.spec
-            layer.group = keys.setdefault((s.window, s.n_kv_heads, s.head_dim), len(keys))
+        self.kv_groups = kv_groups(net.layers)
+        self.layer_group: list[int] = [0] * len(net.layers)
+        for gi, g in enumerate(self.kv_groups):
+            for i in g.layers:
+                self.layer_group[i] = gi
         n_blocks = max(1, -(-pool_tokens // block_size))
-        self.group_layers: list[list] = [[] for _ in keys]
-        for layer in net.layers:
-            self.group_layers[layer.group].append(layer)
+        by_index = {layer.index: layer for layer in net.layers}
+        self.group_layers: list[list] = [[by_index[i] for i in g.layers] for g in self.kv_groups]
         groups = []
         self.pages: list = [None] * len(net.layers)  # per layer, on its backend
-        for (window, n_kv, hd), gi in keys.items():
+        for gi, g in enumerate(self.kv_groups):
+            window, n_kv, hd = g.window, g.n_kv_heads, g.head_dim
             layout = KVLayout(n_kv, hd, block_size, k_type, v_type)
             for layer in self.group_layers[gi]:
                 self.pages[layer.index] = layer.backend.new_kv_pages(layout, n_blocks)
@@ -280,7 +307,8 @@ class Runner:
                 t = it.seq.kv.tables[g.index]
                 tab[r, :len(t)] = t
             tables.append(tab)
-        kv = KVBatch(self.space.pages, tables, row_seq, cache.block_size)
+        kv = KVBatch(self.space.pages, tables, row_seq, cache.block_size,
+                     self.space.layer_group)
         rows, spans, at = [], [], 0
         for it, n in zip(items, lens):
             first = len(rows)
