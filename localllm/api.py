@@ -24,7 +24,8 @@ import numpy as np
 
 from localllm.formats import fetch
 from localllm.formats.gguf import GGUFFile
-from localllm.generation.decoder import Chunk, Decoder, GenerationStats, run_generation
+from localllm.generation.decoder import (Chunk, Decoder, DecoderHooks, GenerationStats,
+                                         run_generation)
 from localllm.generation.sampling import SamplingParams
 from localllm.generation.speculative import (MAX_DRAFT, LookupDrafter, ModelDrafter, Speculator,
                                              check_vocabularies)
@@ -434,11 +435,14 @@ class Model:
 
         # Constrained text is checked byte for byte: decoded without space cleaning.
         stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
-        decoder = Decoder(ids, cached, self.ctx - len(ids), params, self.vocab_size, stream,
-                          self.tokenizer.is_eog, stats, self.backend.logsumexp,
-                          lambda: self.kv.cache.checkpoint(seq.kv),
-                          make_room if shift is not None else None, constraint,
-                          self._speculator(params, seq) if speculate else None, rollback)
+        hooks = DecoderHooks(after_prompt=lambda: self.kv.cache.checkpoint(seq.kv),
+                             shift=make_room if shift is not None else None,
+                             speculate=self._speculator(params, seq) if speculate else None,
+                             rollback=rollback)
+        decoder = Decoder(ids, cached, self.ctx - len(ids), params,
+                          vocab_size=self.vocab_size, stream=stream,
+                          is_eog=self.tokenizer.is_eog, stats=stats,
+                          logsumexp=self.backend.logsumexp, constraint=constraint, hooks=hooks)
         return Decoding(decoder, seq, own)
 
     def _speculator(self, params: SamplingParams, seq: Sequence):

@@ -12,6 +12,8 @@ import pytest
 
 import localllm
 from localllm.api import StepItem
+from localllm.generation.decoder import Decoder, DecoderHooks, run_generation
+from localllm.generation.sampling import SamplingParams
 from localllm.models.net import PlacedLayer
 from localllm.runtime.sequence import kv_groups
 
@@ -114,3 +116,26 @@ def test_the_kv_space_owns_each_layers_group(gemma_path):
         assert not any(hasattr(la, "group") for la in layers)   # nothing written into them
     finally:
         m.close()
+
+
+# ---- Decoder -------------------------------------------------------------------------
+
+def test_the_decoder_takes_settings_by_keyword_and_callbacks_as_hooks(smollm):
+    m = smollm
+    ids = m.tokenize("Once upon a time")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(TypeError):
+        Decoder(ids, 0, 100, params, m.vocab_size, m.tokenizer.stream(continuation=True),
+                m.tokenizer.is_eog)
+    with pytest.raises(ValueError, match="rollback"):
+        DecoderHooks(speculate=lambda seed: None)
+    calls = []
+    with m.new_sequence() as seq:
+        d = Decoder(ids, 0, m.ctx - len(ids), params, vocab_size=m.vocab_size,
+                    stream=m.tokenizer.stream(continuation=True), is_eog=m.tokenizer.is_eog,
+                    hooks=DecoderHooks(after_prompt=lambda: calls.append(len(seq))))
+        text = "".join(run_generation(seq.feed, d))
+    assert calls == [len(ids)]                   # once, when the prompt had run
+    assert d.stats.generated_tokens == 8
+    assert text == "".join(m.generate(ids, temperature=0, max_tokens=8, ignore_eos=True,
+                                      speculate=False))
