@@ -151,7 +151,6 @@ class Decoding:
     decoder: Decoder
     seq: Sequence
     own: bool
-    prompted: bool = False   # the prompt has run (batching.Batcher's bookkeeping)
 
     def close(self) -> None:
         self.decoder.close()

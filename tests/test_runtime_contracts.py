@@ -12,6 +12,7 @@ import pytest
 
 import localllm
 from localllm.api import StepItem
+from localllm.generation.batching import Batcher
 from localllm.generation.decoder import Decoder, DecoderHooks, run_generation
 from localllm.generation.sampling import SamplingParams
 from localllm.models.net import PlacedLayer
@@ -139,3 +140,36 @@ def test_the_decoder_takes_settings_by_keyword_and_callbacks_as_hooks(smollm):
     assert d.stats.generated_tokens == 8
     assert text == "".join(m.generate(ids, temperature=0, max_tokens=8, ignore_eos=True,
                                       speculate=False))
+
+
+# ---- the Batcher's own bookkeeping ---------------------------------------------------
+
+def old_scheduler_blocks(b: Batcher, block_size: int) -> int:
+    """What the server's scheduler computed itself before the Batcher did."""
+    decoding = sum(1 for r in b.active if r.prompted)
+    prompts = [len(r.decoding.decoder.pending) for r in b.active if not r.prompted]
+    chunk = min(sum(prompts), max(0, b.token_budget - decoding))
+    return decoding + -(-chunk // block_size) + len(prompts)
+
+
+def test_the_batcher_sizes_its_next_step_as_the_scheduler_did(smollm):
+    m = smollm
+    bs = m.settings.kv_block_size
+    m.forget_cached()
+    b = Batcher(m, token_budget=48)
+    assert b.blocks_for_next_step() == 0
+    words = "one two three four five six seven eight nine ten eleven twelve " * 8
+    prompts = [m.tokenize(words)[:n] for n in (40, 30, 20)]
+    reqs = [b.add(p, temperature=0, max_tokens=6, ignore_eos=True) for p in prompts]
+    assert [b.pending_tokens(r) for r in reqs] == [40, 30, 20]
+    # nothing decodes yet: 48 of the 90 prompt tokens, 3 blocks, plus one per prompt
+    assert b.blocks_for_next_step() == 48 // bs + 3 == old_scheduler_blocks(b, bs)
+    seen = set()
+    while b.active:
+        assert b.blocks_for_next_step() == old_scheduler_blocks(b, bs)
+        seen.add(tuple(r.prompted for r in b.active))
+        b.step()
+    assert len(seen) >= 3                        # prompts, a mix, all decoding
+    assert all(r.prompted and r.done and r.error is None for r in reqs)
+    assert not any(hasattr(r.decoding, "prompted") for r in reqs)
+    assert m.kv_stats().blocks_used == 0
