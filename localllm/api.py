@@ -26,7 +26,8 @@ from localllm.errors import (BadSetting, EmptyPrompt, EngineError, LocalLLMError
                              SequenceError)
 from localllm.formats import fetch
 from localllm.formats.gguf import GGUFFile
-from localllm.generation.decoder import Chunk, Decoder, GenerationStats, run_generation
+from localllm.generation.decoder import (Chunk, Decoder, DecoderHooks, GenerationStats,
+                                         run_generation)
 from localllm.generation.sampling import SamplingParams
 from localllm.generation.speculative import (MAX_DRAFT, LookupDrafter, ModelDrafter, Speculator,
                                              check_vocabularies)
@@ -35,7 +36,7 @@ from localllm.models.common import WeightLoader, check_blocks
 from localllm.runtime import warm
 from localllm.runtime.placement import (PlanRequest, make_gpu_backend, parse_gpu_layers, plan_memory,
                                         resolve_backend)
-from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, check_tokens
+from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, StepItem, check_tokens
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
 
@@ -44,7 +45,7 @@ KV_TYPES = ("f16", "bf16", "q8_0", "q4_0", "fp8")
 # Default pool: room for this many full contexts (one request's, plus cached prefixes).
 
 __all__ = ["EngineError", "Generation", "KVStats", "LoadSettings", "Model", "Sequence",
-           "load"]
+           "StepItem", "load"]
 
 
 @dataclass
@@ -153,7 +154,6 @@ class Decoding:
     decoder: Decoder
     seq: Sequence
     own: bool
-    prompted: bool = False   # the prompt has run (batching.Batcher's bookkeeping)
 
     def close(self) -> None:
         self.decoder.close()
@@ -300,9 +300,17 @@ class Model:
         """Drop the cached prefixes of finished requests (the next prompts run in full)."""
         self.kv.cache.forget_cached()
 
-    def step(self, items: list[tuple[Sequence, list[int], bool | None]]) -> list:
+    def step(self, items: list[StepItem]) -> list:
         """One forward pass over several sequences' new tokens (continuous batching, a
-        speculative verification): see sequence.Runner.step."""
+        speculative verification).
+
+        Args:
+            items: StepItem(sequence, tokens, logits "none" | "last" | "all"), each
+                sequence at most once.
+        Returns:
+            Per item: float32 (len(tokens), vocab) for "all", (vocab,) for "last", None for
+            "none" (see runtime.sequence.Runner.step).
+        """
         return self._runner.step(items)
 
     # ---- scoring and generation -----------------------------------------------------
@@ -451,11 +459,14 @@ class Model:
 
         # Constrained text is checked byte for byte: decoded without space cleaning.
         stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
-        decoder = Decoder(ids, cached, self.ctx - len(ids), params, self.vocab_size, stream,
-                          self.tokenizer.is_eog, stats, self.backend.logsumexp,
-                          lambda: self.kv.cache.checkpoint(seq.kv),
-                          make_room if shift is not None else None, constraint,
-                          self._speculator(params, seq) if speculate else None, rollback)
+        hooks = DecoderHooks(after_prompt=lambda: self.kv.cache.checkpoint(seq.kv),
+                             shift=make_room if shift is not None else None,
+                             speculate=self._speculator(params, seq) if speculate else None,
+                             rollback=rollback)
+        decoder = Decoder(ids, cached, self.ctx - len(ids), params,
+                          vocab_size=self.vocab_size, stream=stream,
+                          is_eog=self.tokenizer.is_eog, stats=stats,
+                          logsumexp=self.backend.logsumexp, constraint=constraint, hooks=hooks)
         return Decoding(decoder, seq, own)
 
     def _speculator(self, params: SamplingParams, seq: Sequence):

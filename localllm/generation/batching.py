@@ -9,16 +9,19 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from localllm.runtime.sequence import StepItem
+
 from .decoder import GenerationStats
 
 
 @dataclass
 class Request:
     """One generation in a Batcher: its output arrives in ``chunks`` as steps run."""
-    decoding: object                  # engine.Decoding: decoder, sequence, ownership
+    decoding: object                  # api.Decoding: decoder, sequence, ownership
     chunks: deque = field(default_factory=deque)
     done: bool = False
     error: Exception | None = None
+    prompted: bool = False            # the whole prompt has run: it decodes from now on
     _ran: int = 0                     # prompt tokens of the pending ones already run
 
     @property
@@ -61,6 +64,26 @@ class Batcher:
         if req in self.active:
             self.active.remove(req)
 
+    def blocks_for_next_step(self) -> int:
+        """Most KV blocks (per cache group) the next step can take: one per decoding
+        request, and the prompt chunks' within the token budget (with a partly filled
+        block each). A scheduler frees this many before stepping, so a step never finds the
+        pool full.
+
+        Returns:
+            A block count, 0 when nothing is active.
+        """
+        bs = self.model.settings.kv_block_size
+        decoding = sum(1 for r in self.active if r.prompted)
+        prompts = [self.pending_tokens(r) for r in self.active if not r.prompted]
+        chunk = min(sum(prompts), max(0, self.token_budget - decoding))
+        return decoding + -(-chunk // bs) + len(prompts)
+
+    def pending_tokens(self, req: Request) -> int:
+        """Tokens a request has waiting to run: the uncached prompt until it has been
+        processed, then the next token (and any drafted ones)."""
+        return len(req.decoding.decoder.pending)
+
     def step(self) -> list[Request]:
         """One forward pass: a decode token of every generating request, and prompt chunks
         in arrival order with what is left of the budget.
@@ -70,20 +93,20 @@ class Batcher:
         """
         items, reqs = [], []
         budget = self.token_budget
-        decoding = [r for r in self.active if r.decoding.prompted]
-        prefill = [r for r in self.active if not r.decoding.prompted]
+        decoding = [r for r in self.active if r.prompted]
+        prefill = [r for r in self.active if not r.prompted]
         for r in decoding:  # a drafted run wants every position's logits, to verify
             d = r.decoding.decoder
-            items.append((r.decoding.seq, d.pending, d.all_logits))
+            items.append(StepItem(r.decoding.seq, d.pending, "all" if d.all_logits else "last"))
             reqs.append(r)
-            budget -= len(r.decoding.decoder.pending)
+            budget -= len(d.pending)
         for r in prefill:
             if budget <= 0:
                 break
             todo = r.decoding.decoder.pending[r._ran:]
             chunk = todo[:budget]
             last = len(chunk) == len(todo)
-            items.append((r.decoding.seq, chunk, False if last else None))
+            items.append(StepItem(r.decoding.seq, chunk, "last" if last else "none"))
             reqs.append(r)
             budget -= len(chunk)
         if not items:
@@ -95,12 +118,12 @@ class Batcher:
                 self._fail(r, e)
             return reqs
         touched = []
-        for r, (_, chunk, want), logits in zip(reqs, items, outs):
-            if want is None:
-                r._ran += len(chunk)
+        for r, it, logits in zip(reqs, items, outs):
+            if it.logits == "none":
+                r._ran += len(it.tokens)
                 continue
             r._ran = 0
-            r.decoding.prompted = True
+            r.prompted = True
             try:
                 new = r.decoding.decoder.push(logits)
             except Exception as e:

@@ -123,6 +123,29 @@ class StopMatcher:
         return out
 
 
+@dataclass(frozen=True)
+class DecoderHooks:
+    """What a Decoder calls back into at points of a generation (each optional).
+
+    Attributes:
+        after_prompt: called once the prompt is processed (e.g. to checkpoint the cache).
+        shift: when the context is full, may make room (given the tokens generated so
+            far): returns the next logits and the new room, or None to end with 'length'.
+        speculate: makes this generation's Speculator, given the sampler's seed; None: no
+            drafts.
+        rollback: drops the last n tokens from the sequence the pending ones ran in
+            (rejected drafts); needed with ``speculate``.
+    """
+    after_prompt: Callable[[], None] | None = None
+    shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None
+    speculate: Callable[[int], Speculator] | None = None
+    rollback: Callable[[int], None] | None = None
+
+    def __post_init__(self):
+        if self.speculate is not None and self.rollback is None:
+            raise ValueError("DecoderHooks: speculate needs rollback (to drop rejected drafts)")
+
+
 class Decoder:
     """One generation, step by step: ``pending`` holds the tokens to run next (the prompt's
     uncached part, then each new token, followed by drafted ones when speculating);
@@ -132,36 +155,29 @@ class Decoder:
     are wanted (a draft to verify) rather than the last one's."""
 
     def __init__(self, prompt: Sequence[int], cached: int, room: int, params: SamplingParams,
-                 vocab_size: int, stream, is_eog: Callable[[int], bool],
-                 stats: GenerationStats, logsumexp=None,
-                 after_prompt: Callable[[], None] | None = None,
-                 shift: Callable[[list[int]], tuple[np.ndarray, int] | None] | None = None,
-                 constraint=None,
-                 speculate: Callable[[int], Speculator] | None = None,
-                 rollback: Callable[[int], None] | None = None):
+                 *, vocab_size: int, stream, is_eog: Callable[[int], bool],
+                 stats: GenerationStats | None = None, logsumexp=None, constraint=None,
+                 hooks: DecoderHooks = DecoderHooks()):
         """Args:
             prompt: the prompt's token ids, of which the first ``cached`` are already run.
             room: how many tokens may still be added after the prompt (context left).
-            params: sampling settings; vocab_size: logits width.
+            params: sampling settings.
+            vocab_size: logits width.
             stream: the tokenizer's incremental decoder for the output.
             is_eog: end-of-generation test.
-            stats: filled in as generation proceeds.
+            stats: filled in as generation proceeds (None: a fresh GenerationStats).
             logsumexp: optional fast log-sum-exp for the log-probabilities.
-            after_prompt: called once the prompt is processed (e.g. to checkpoint the cache).
-            shift: when the context is full, may make room (given the tokens generated so
-                far): returns the next logits and the new room, or None to end with 'length'.
             constraint: optional TokenConstraint (e.g. JSON) every token must satisfy;
                 generation ends when it is complete and an end token is chosen, or nothing
                 else may follow.
-            speculate: makes this generation's Speculator, given the sampler's seed; None:
-                no drafts.
-            rollback: drops the last n tokens from the sequence the pending ones ran in
-                (rejected drafts); needed with ``speculate``.
+            hooks: the callbacks (after the prompt, context shift, speculation, rollback).
         """
+        stats = stats if stats is not None else GenerationStats()
         self.sampler = Sampler(params, vocab_size, logsumexp, constraint)
         self.params, self.stats, self.room = params, stats, room
         self._stream, self._is_eog = stream, is_eog
-        self._after_prompt, self._shift, self._constraint = after_prompt, shift, constraint
+        self._after_prompt, self._shift = hooks.after_prompt, hooks.shift
+        self._constraint = constraint
         stats.seed = self.sampler.seed
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = cached
@@ -175,8 +191,8 @@ class Decoder:
         self._toks: list[int] = []
         self._lps: list[float] = []
         self._tops: list = []
-        self._spec = speculate(self.sampler.seed) if speculate is not None else None
-        self._rollback = rollback
+        self._spec = hooks.speculate(self.sampler.seed) if hooks.speculate is not None else None
+        self._rollback = hooks.rollback
         self._draft: Draft | None = None
         stats.finish_reason = "length"
 

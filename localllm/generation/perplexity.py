@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from localllm.errors import BadSetting
+from localllm.runtime.sequence import StepItem
 
 _ROWS = 32  # logit rows turned into log-probabilities at a time (bounded memory)
 
@@ -77,8 +78,8 @@ def _window_logits(model, toks: list[int], first: int):
     with model.new_sequence() as seq:
         for s in range(0, len(toks) - 1, bs):
             chunk = toks[s:min(s + bs, len(toks) - 1)]
-            want = True if s + len(chunk) > first else None
-            out = model.step([(seq, chunk, want)])[0]
+            want = "all" if s + len(chunk) > first else "none"
+            out = model.step([StepItem(seq, chunk, want)])[0]
             if out is not None:
                 lo = max(first - s, 0)
                 yield out[lo:], s + lo

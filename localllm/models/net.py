@@ -1,7 +1,7 @@
-"""A loaded model as placed layers: each decoder layer knows its backend, its weights, its
-BlockSpec and its KV group; the embedding and the output head sit on backends of their own.
-``forward`` runs one batch of tokens (from one or several sequences) through them, with the
-KV pages (on each layer's backend) of the cache it is given.
+"""A loaded model as placed layers: each decoder layer knows its backend, its weights and its
+BlockSpec; the embedding and the output head sit on backends of their own. ``forward`` runs
+one batch of tokens (from one or several sequences) through them, with the KV pages (on each
+layer's backend) and the cache groups' block tables it is given.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ class PlacedLayer:
     backend: Any
     weights: BlockWeights
     spec: BlockSpec
-    group: int = 0       # KV cache group: layers sharing one block table per sequence
 
 
 @dataclass
 class KVBatch:
     """The KV side of a forward pass: each layer's pages (on its backend, by layer index),
-    the batch's block tables per cache group, and each token's row in them (numpy int32)."""
+    the batch's block tables per cache group, each token's row in them (numpy int32), and
+    each layer's cache group (by layer index: the KV space's grouping)."""
     pages: Sequence[Any]
     tables: Sequence[Any]
     row_seq: Any
     block_size: int
+    layer_group: Sequence[int]
 
 
 class Net:
@@ -63,7 +64,7 @@ class Net:
             if layer.backend is not be:  # activations cross devices only at a boundary
                 x = layer.backend.from_numpy(be.to_numpy(x))
                 be = layer.backend
-            lkv = LayerKV(kv.pages[layer.index], kv.tables[layer.group], kv.row_seq,
+            lkv = LayerKV(kv.pages[layer.index], kv.tables[kv.layer_group[layer.index]], kv.row_seq,
                           kv.block_size)
             x = run_block(be, x, layer.weights, layer.spec, positions, lkv)
         if len(logit_rows) == 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Literal, Sequence as Seq
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from localllm.runtime.kv.cache import CacheGroup, PagedCache, SeqKV
 from localllm.models.net import KVBatch, Net
 
 # EngineError is re-exported here, where it was defined before localllm.errors.
-__all__ = ["EngineError", "KVSpace", "KVStats", "Runner", "Sequence", "check_tokens"]
+__all__ = ["EngineError", "KVSpace", "KVStats", "Runner", "Sequence", "StepItem", "check_tokens"]
 
 
 def check_tokens(ids: Seq[int], vocab_size: int, param: str | None = None) -> None:
@@ -52,24 +52,51 @@ class KVStats:
     groups: list[PoolStats]
 
 
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """Layers that share one block table per sequence: those with the same sliding window
+    (0: full attention), KV heads and head size."""
+    window: int
+    n_kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]    # layer indices, in order
+
+
+def kv_groups(layers: Seq) -> list[KVGroupSpec]:
+    """Group a net's placed layers by block layout, groups in order of first appearance.
+
+    Args:
+        layers: the net's PlacedLayers.
+    Returns:
+        One KVGroupSpec per group; every layer is in exactly one.
+    """
+    members: dict[tuple[int, int, int], list[int]] = {}
+    for layer in layers:
+        s = layer.spec
+        members.setdefault((s.window, s.n_kv_heads, s.head_dim), []).append(layer.index)
+    return [KVGroupSpec(w, n_kv, hd, tuple(ix)) for (w, n_kv, hd), ix in members.items()]
+
+
 class KVSpace:
     """A model's paged KV cache: its layers grouped by block layout (window, heads, head
-    size), a block pool per group, and each layer's pages on that layer's backend."""
+    size), a block pool per group, and each layer's pages on that layer's backend.
+    ``layer_group[i]`` is layer i's group: the forward pass reads it from here (KVBatch)."""
 
     def __init__(self, net: Net, k_type: str, v_type: str, block_size: int, pool_tokens: int,
                  model_key: bytes, max_checkpoints: int = 4):
         self.k_type, self.v_type, self.block_size = k_type, v_type, block_size
-        keys: dict[tuple, int] = {}
-        for layer in net.layers:
-            s = layer.spec
-            layer.group = keys.setdefault((s.window, s.n_kv_heads, s.head_dim), len(keys))
+        self.kv_groups = kv_groups(net.layers)
+        self.layer_group: list[int] = [0] * len(net.layers)
+        for gi, g in enumerate(self.kv_groups):
+            for i in g.layers:
+                self.layer_group[i] = gi
         n_blocks = max(1, -(-pool_tokens // block_size))
-        self.group_layers: list[list] = [[] for _ in keys]
-        for layer in net.layers:
-            self.group_layers[layer.group].append(layer)
+        by_index = {layer.index: layer for layer in net.layers}
+        self.group_layers: list[list] = [[by_index[i] for i in g.layers] for g in self.kv_groups]
         groups = []
         self.pages: list = [None] * len(net.layers)  # per layer, on its backend
-        for (window, n_kv, hd), gi in keys.items():
+        for gi, g in enumerate(self.kv_groups):
+            window, n_kv, hd = g.window, g.n_kv_heads, g.head_dim
             layout = KVLayout(n_kv, hd, block_size, k_type, v_type)
             for layer in self.group_layers[gi]:
                 self.pages[layer.index] = layer.backend.new_kv_pages(layout, n_blocks)
@@ -151,6 +178,36 @@ class Sequence:
             self._runner.space.cache.release(self.kv, self._tokens)
             self._tokens = []
 
+    # ---- the Runner's side: it keeps the tokens and the KV state in step -------------
+
+    def extend_tokens(self, ids: Seq[int]) -> None:
+        """Append tokens whose KV a forward pass has just written, and let the cache hash
+        the blocks they filled (for prefix reuse). Called by the Runner after a step.
+
+        Args:
+            ids: the tokens run, in order.
+        """
+        self._tokens.extend(ids)
+        self._runner.space.cache.advance(self.kv, self._tokens, len(self._tokens))
+
+    def truncate_tokens(self, n: int) -> None:
+        """Forget every token after the first n (the cache state is already rewound).
+
+        Args:
+            n: tokens kept.
+        """
+        del self._tokens[n:]
+
+    def reset_state(self, kv: SeqKV, tokens: Seq[int]) -> None:
+        """Take a new cache state holding ``tokens`` (e.g. a prefix found in the cache); the
+        caller has released the old one.
+
+        Args:
+            kv: the new state; tokens: the tokens whose KV it holds.
+        """
+        self.kv = kv
+        self._tokens = list(tokens)
+
     def _check(self) -> None:
         if self.released:
             raise SequenceError("this sequence has been released")
@@ -166,6 +223,24 @@ class Sequence:
         # next step (never here, where a collection may interrupt the pool's bookkeeping).
         if not self.released:
             self._runner.orphans.append((self.kv, self._tokens))
+
+
+LOGITS = ("none", "last", "all")
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """One sequence's part of a forward pass: its new tokens and the logits wanted back,
+    "none" (an inner prompt chunk), "last" (the last position's) or "all" (every position's,
+    e.g. a draft to verify)."""
+    seq: Sequence
+    tokens: Seq[int]
+    logits: Literal["none", "last", "all"] = "last"
+
+    def __post_init__(self):
+        if self.logits not in LOGITS:
+            raise ValueError(f"StepItem logits must be one of {', '.join(map(repr, LOGITS))}, "
+                             f"got {self.logits!r}")
 
 
 class Runner:
@@ -193,30 +268,35 @@ class Runner:
         bs = self.batch_size
         for s in range(0, len(ids), bs):
             # logits: every row's, the very last row's, or none for an inner prompt chunk
-            want = True if all_logits else (False if s + bs >= len(ids) else None)
-            out = self.step([(seq, ids[s:s + bs], want)])[0]
+            want = "all" if all_logits else ("last" if s + bs >= len(ids) else "none")
+            out = self.step([StepItem(seq, ids[s:s + bs], want)])[0]
             if out is not None:
                 outs.append(out)
         return np.concatenate(outs) if all_logits and len(outs) > 1 else outs[-1]
 
-    def step(self, items: list[tuple[Sequence, list[int], bool | None]]) -> list:
+    def step(self, items: list[StepItem]) -> list:
         """One forward pass over several sequences' new tokens.
 
         Args:
-            items: (sequence, token ids, logits wanted: True every position's, False the
-                last one's, None none); each sequence at most once.
+            items: each sequence at most once, with its tokens and the logits wanted.
         Returns:
-            Per item: float32 (len(ids), vocab), (vocab,) or None.
+            Per item, as its ``logits`` says: float32 (len(tokens), vocab) for "all",
+            (vocab,) for "last", None for "none".
         Raises:
             SequenceError: a sequence released, or given twice.
             EmptyPrompt, ContextFull, TokenOutOfVocab: no tokens, too many, or unknown ones.
             KVPoolFull: the KV pool has no room for the new tokens.
+            TypeError: an item that is not a StepItem.
         """
         self._collect()
         cache = self.space.cache
-        if len({id(s) for s, _, _ in items}) != len(items):
+        for it in items:
+            if not isinstance(it, StepItem):
+                raise TypeError(f"Runner.step takes StepItems, got {type(it).__name__}")
+        if len({id(it.seq) for it in items}) != len(items):
             raise SequenceError("a sequence appears twice in one step")
-        for seq, ids, _ in items:
+        for it in items:
+            seq, ids = it.seq, it.tokens
             seq._check()
             if not ids:
                 raise EmptyPrompt("nothing to process", param="ids")
@@ -224,41 +304,42 @@ class Runner:
                 raise ContextFull(f"{len(seq) + len(ids)} tokens exceed the context size "
                                   f"{self.ctx}", param="ids")
             check_tokens(ids, self.vocab_size, "ids")
-        for seq, ids, _ in items:
+        for it in items:
             try:
-                cache.reserve(seq.kv, len(ids))
+                cache.reserve(it.seq.kv, len(it.tokens))
             except KVPoolFull as e:
                 raise KVPoolFull(f"the KV cache is full ({e}); free sequences, or give the "
                                  "pool more room (--kv-pool-mb)", param="kv_pool_mb") from None
-        lens = [len(ids) for _, ids, _ in items]
-        flat = np.fromiter((t for _, ids, _ in items for t in ids), np.int64, sum(lens))
-        positions = np.concatenate([np.arange(len(s), len(s) + n, dtype=np.int64)
-                                    for (s, _, _), n in zip(items, lens)])
+        lens = [len(it.tokens) for it in items]
+        flat = np.fromiter((t for it in items for t in it.tokens), np.int64, sum(lens))
+        positions = np.concatenate([np.arange(len(it.seq), len(it.seq) + n, dtype=np.int64)
+                                    for it, n in zip(items, lens)])
         row_seq = np.repeat(np.arange(len(items), dtype=np.int32), lens)
         tables = []
         for g in cache.groups:
-            width = max(len(s.kv.tables[g.index]) for s, _, _ in items)
+            width = max(len(it.seq.kv.tables[g.index]) for it in items)
             tab = np.full((len(items), width), -1, np.int32)
-            for r, (s, _, _) in enumerate(items):
-                t = s.kv.tables[g.index]
+            for r, it in enumerate(items):
+                t = it.seq.kv.tables[g.index]
                 tab[r, :len(t)] = t
             tables.append(tab)
-        kv = KVBatch(self.space.pages, tables, row_seq, cache.block_size)
+        kv = KVBatch(self.space.pages, tables, row_seq, cache.block_size,
+                     self.space.layer_group)
         rows, spans, at = [], [], 0
-        for (_, _, want), n in zip(items, lens):
+        for it, n in zip(items, lens):
             first = len(rows)
-            if want:
+            if it.logits == "all":
                 rows.extend(range(at, at + n))
-            elif want is not None:
+            elif it.logits == "last":
                 rows.append(at + n - 1)
             spans.append((first, len(rows)))
             at += n
         logits = self.net.forward(flat, positions, kv, rows)
         out = []
-        for (seq, ids, want), (a, b) in zip(items, spans):
-            seq._tokens.extend(ids)
-            cache.advance(seq.kv, seq._tokens, len(seq._tokens))
-            out.append(None if want is None else logits[a:b] if want else logits[a])
+        for it, (a, b) in zip(items, spans):
+            it.seq.extend_tokens(it.tokens)
+            out.append(None if it.logits == "none" else logits[a:b] if it.logits == "all"
+                       else logits[a])
         return out
 
     def rewind(self, seq: Sequence, n: int) -> int:
@@ -273,9 +354,9 @@ class Runner:
                            if cp.n <= n and cache.restore(seq.kv, cp.n)), 0)
                 if at == 0:
                     cache.release(seq.kv)
-                    seq.kv = cache.new_state()
+                    seq.reset_state(cache.new_state(), ())
                 n = at
-        del seq._tokens[n:]
+        seq.truncate_tokens(n)
         return n
 
     def reuse(self, seq: Sequence, ids: Seq[int]) -> int:
@@ -284,7 +365,7 @@ class Runner:
         most len(ids) - 1: the last token always runs, for its logits)."""
         self._collect()
         limit = len(ids) - 1
-        own = seq._tokens
+        own = seq.tokens
         common = 0
         while common < min(len(own), limit) and own[common] == ids[common]:
             common += 1
@@ -293,9 +374,8 @@ class Runner:
         if limit // cache.block_size * cache.block_size > kept:  # the cache may hold more
             n, st = cache.match_prefix(ids, limit)
             if n > kept:
-                cache.release(seq.kv, seq._tokens)
-                seq.kv = st
-                seq._tokens = list(ids[:n])
+                cache.release(seq.kv, seq.tokens)
+                seq.reset_state(st, ids[:n])
                 return n
             cache.release(st)
         return kept

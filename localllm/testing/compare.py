@@ -45,10 +45,11 @@ def compare(ref, got, chunk=64):
 def greedy_rows(m, seqs):
     """Argmax of every continuation position of the given (prompt, continuation) pairs, all
     sequences in one forward pass."""
-    items = [(m.new_sequence(), p + c, True) for p, c in seqs]
+    from localllm.api import StepItem
+    items = [StepItem(m.new_sequence(), p + c, "all") for p, c in seqs]
     try:
         outs = m.step(items)
     finally:
-        for s, _, _ in items:
-            s.release()
+        for it in items:
+            it.seq.release()
     return [o[len(p) - 1:len(p) + len(c) - 1].argmax(1) for o, (p, c) in zip(outs, seqs)]

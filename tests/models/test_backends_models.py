@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.api import EngineError
+from localllm.api import EngineError, StepItem
 from localllm.testing.compare import (GREEDY_MIN, GREEDY_PROMPTS, KL_MAX, TOP1_MIN, compare,
                                       greedy_rows)
 
@@ -112,15 +112,15 @@ def test_step_fork_and_trim_on_a_split(smollm_path, loaded, config):
     whole = m.logits(ids)
     # one forward over three sequences of different lengths, one of them mid-prompt
     parts = [ids[:70], ids[:23], ids[40:90]]
-    items = [(m.new_sequence(), p, True) for p in parts]
+    items = [StepItem(m.new_sequence(), p, "all") for p in parts]
     try:
         outs = m.step(items)
         _close(outs[0], whole[:70], "step row 0")
         _close(outs[1], whole[:23], "step row 1")
         _close(outs[2], m.logits(ids[40:90]), "step row 2")
     finally:
-        for seq, _, _ in items:
-            seq.release()
+        for it in items:
+            it.seq.release()
     # a fork shares the half-filled block and copies it when either side writes on
     with m.new_sequence() as a:
         a.feed(ids[:37])

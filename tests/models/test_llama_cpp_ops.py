@@ -97,8 +97,8 @@ def block_steps(m, fx, layer):
     q_all[rows] = g("q_rope")
     with m.new_sequence() as seq:
         m.kv.cache.reserve(seq.kv, n)  # blocks for positions 0..n-1
-        placed = net.layers[layer]
-        kv = LayerKV(m.kv.pages[layer], np.array([seq.kv.tables[placed.group]], np.int32),
+        group = m.kv.layer_group[layer]
+        kv = LayerKV(m.kv.pages[layer], np.array([seq.kv.tables[group]], np.int32),
                      np.zeros(n, np.int32), m.kv.block_size)
         o = be.attention(q_all, g("k_rope"), g("v"), kv, np.arange(n), s.n_heads,
                          s.attn_scale, s.window)

@@ -258,7 +258,7 @@ class JobRun:
         events: list[Event] = []
         for g in self._groups:
             lead = g.lead
-            if g.forks and lead.req is not None and lead.req.decoding.prompted:
+            if g.forks and lead.req is not None and lead.req.prompted:
                 # The lead's sequence holds the prompt and nothing more yet: each other
                 # choice shares its blocks (copy-on-write) and reruns only the last token.
                 forks, g.forks = g.forks, []

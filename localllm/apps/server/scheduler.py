@@ -259,20 +259,11 @@ class Scheduler:
     def _make_room(self) -> None:
         """Before a step: if its KV blocks might not be free, give the youngest requests'
         back (preemption) until they are, so that a full pool never fails a step."""
-        while len(self._active) > 1 and self._free_blocks() < self._step_blocks():
+        while len(self._active) > 1 and self._free_blocks() < self.batcher.blocks_for_next_step():
             job = self._active[-1]
             job.run.preempt(self.batcher)
             self.metrics.preempted()
             self._requeue(job)
-
-    def _step_blocks(self) -> int:
-        """Most KV blocks the next step can take: one per decoding request, the prompt
-        chunks' within the token budget."""
-        b, bs = self.batcher, self._block_size()
-        decoding = sum(1 for r in b.active if r.decoding.prompted)
-        prompts = [len(r.decoding.decoder.pending) for r in b.active if not r.decoding.prompted]
-        chunk = min(sum(prompts), max(0, b.token_budget - decoding))
-        return decoding + -(-chunk // bs) + len(prompts)
 
     def _free_blocks(self) -> int:
         return min(g.free for g in self.model.kv_stats().groups)
