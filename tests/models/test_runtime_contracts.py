@@ -18,7 +18,7 @@ from localllm.generation.sampling import SamplingParams
 from localllm.models.net import PlacedLayer
 from localllm.runtime.sequence import kv_groups
 
-PACKAGE = Path(__file__).resolve().parents[1] / "localllm"
+PACKAGE = Path(localllm.__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
