@@ -20,7 +20,7 @@ import numpy as np
 from localllm.formats.quants import row_nbytes
 
 from . import mlx_kv, mlx_quant
-from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
+from .base import KVBatch, KVLayout, MemoryInfo, RopeSpec
 from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
 
 _GELU_K1 = -2.0 * 0.7978845608028654
@@ -200,7 +200,7 @@ class MlxBackend:
             rot = [mx.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(n, n_heads, -1)]
         return mx.concatenate(rot + [rest], axis=-1).reshape(n, -1)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+    def attention(self, q, k, v, kv: KVBatch, positions, n_heads, scale, window=0,
                   k_balance=None):
         pages = kv.pages
         lay = pages.layout

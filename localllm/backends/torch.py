@@ -20,7 +20,7 @@ import torch
 from localllm.formats.quants import row_nbytes
 
 from . import torch_kv
-from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
+from .base import KVBatch, KVLayout, MemoryInfo, RopeSpec
 from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
 from .torch_quant import dequantize_rows
 
@@ -186,7 +186,7 @@ class TorchBackend:
             y[..., 1:2 * half:2] = b * c + a * s
         return y.reshape(n, -1)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+    def attention(self, q, k, v, kv: KVBatch, positions, n_heads, scale, window=0,
                   k_balance=None):
         pages = kv.pages
         lay = pages.layout

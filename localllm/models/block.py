@@ -54,7 +54,7 @@ def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
 
     Args:
         be: the backend; x: (n, dim) hidden states; positions: (n,) token positions;
-        kv: this layer's LayerKV for the batch.
+        kv: this layer's KVBatch (KVBatch.layer).
     Returns:
         The new hidden states (n, dim); ``x`` may be updated in place.
     """

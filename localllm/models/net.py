@@ -7,9 +7,9 @@ KV pages (on each layer's backend) of the cache it is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from localllm.backends.base import LayerKV
+from localllm.backends.base import KVBatch
 
 from .block import BlockSpec, BlockWeights, run_block
 
@@ -22,16 +22,6 @@ class PlacedLayer:
     weights: BlockWeights
     spec: BlockSpec
     group: int = 0       # KV cache group: layers sharing one block table per sequence
-
-
-@dataclass
-class KVBatch:
-    """The KV side of a forward pass: each layer's pages (on its backend, by layer index),
-    the batch's block tables per cache group, and each token's row in them (numpy int32)."""
-    pages: Sequence[Any]
-    tables: Sequence[Any]
-    row_seq: Any
-    block_size: int
 
 
 class Net:
@@ -63,9 +53,8 @@ class Net:
             if layer.backend is not be:  # activations cross devices only at a boundary
                 x = layer.backend.from_numpy(be.to_numpy(x))
                 be = layer.backend
-            lkv = LayerKV(kv.pages[layer.index], kv.tables[layer.group], kv.row_seq,
-                          kv.block_size)
-            x = run_block(be, x, layer.weights, layer.spec, positions, lkv)
+            x = run_block(be, x, layer.weights, layer.spec, positions,
+                          kv.layer(layer.index, layer.group))
         if len(logit_rows) == 0:
             return None
         if self.head_be is not be:

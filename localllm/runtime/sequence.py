@@ -11,10 +11,10 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from localllm.backends.base import KVLayout
+from localllm.backends.base import KVBatch, KVLayout
 from localllm.runtime.kv.blocks import BlockPool, PoolExhausted, PoolStats
 from localllm.runtime.kv.cache import CacheGroup, PagedCache, SeqKV
-from localllm.models.net import KVBatch, Net
+from localllm.models.net import Net
 
 
 class EngineError(ValueError):
