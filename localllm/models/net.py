@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localllm.backends.base import KVBatch
+from localllm.backends.base import Backend, KVBatch
 
 from .block import BlockSpec, BlockWeights, run_block
 
@@ -18,7 +18,7 @@ from .block import BlockSpec, BlockWeights, run_block
 class PlacedLayer:
     """One decoder layer where it runs."""
     index: int
-    backend: Any
+    backend: Backend
     weights: BlockWeights
     spec: BlockSpec
     group: int = 0       # KV cache group: layers sharing one block table per sequence
@@ -30,8 +30,8 @@ class Net:
 
     args: Any
     layers: list[PlacedLayer]
-    be: Any
-    head_be: Any
+    be: Backend
+    head_be: Backend
 
     def embed(self, ids):
         """Hidden states of the tokens, on the embedding's backend."""
