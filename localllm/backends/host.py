@@ -7,7 +7,6 @@ KV blocks rounded by the CPU pages' own code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numba import njit
@@ -76,26 +75,6 @@ def q4_0_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bits = np.empty(x.shape[0], np.uint16)
     _q4_0_rows(x, codes, bits)
     return codes.astype(np.uint8), bits.view(np.float16)
-
-
-@dataclass
-class DeviceKVPages:
-    """One layer's KV pages on a device backend: keys and values, each a KVStore of that
-    backend (torch_kv, mlx_kv) with ``nbytes`` and ``read_numpy(start, stop)``."""
-    layout: KVLayout
-    k: Any
-    v: Any
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def read_block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of one block as float32 numpy (block_size, n_kv, hd) each, for
-        inspection and tests."""
-        bs = self.layout.block_size
-        return (self.k.read_numpy(block * bs, (block + 1) * bs),
-                self.v.read_numpy(block * bs, (block + 1) * bs))
 
 
 @dataclass
