@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
+from localllm.backends.base import Backend
 from localllm.errors import (BadSetting, EmptyPrompt, EngineError, LocalLLMError, PromptTooLong,
                              SequenceError)
 from localllm.formats import fetch
@@ -34,11 +35,14 @@ from localllm.generation.speculative import (MAX_DRAFT, LookupDrafter, ModelDraf
 from localllm.models import build, module_for
 from localllm.models.common import WeightLoader, check_blocks
 from localllm.runtime import warm
-from localllm.runtime.placement import (PlanRequest, make_gpu_backend, parse_gpu_layers, plan_memory,
-                                        resolve_backend)
+from localllm.runtime.placement import (MemoryPlan, PlanRequest, make_gpu_backend, parse_gpu_layers,
+                                        plan_memory, resolve_backend)
 from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, StepItem, check_tokens
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from localllm.backends.cpu import CpuBackend
 
 DEFAULT_CTX = 4096
 KV_TYPES = ("f16", "bf16", "q8_0", "q4_0", "fp8")
@@ -98,7 +102,7 @@ def physical_cores() -> int:
     return n or os.cpu_count() or 1
 
 
-def _make_cpu_backend(settings: LoadSettings):
+def _make_cpu_backend(settings: LoadSettings) -> CpuBackend:
     from localllm.backends.cpu import CpuBackend
     cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
     return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
@@ -110,7 +114,8 @@ def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:
                        max(1, settings.batch_size), settings.kv_pool_mb, settings.gpu_layers)
 
 
-def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None):
+def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None
+               ) -> tuple[MemoryPlan, Any, Backend, Backend | None]:
     """The memory ledger of a model file under these settings, without loading it.
 
     Returns:

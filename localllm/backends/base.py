@@ -32,14 +32,31 @@ class KVLayout:
 
 
 @dataclass
-class LayerKV:
-    """What a layer's attention reads for one forward pass: the layer's pages (the backend's
-    own object), the block tables of the batch's sequences (int32 (n_seqs, max_blocks), -1
-    where a block is not held) and each token's row in them (int32 (n,))."""
+class KVBatch:
+    """The KV side of a forward pass over a batch of tokens (from one or several sequences).
+
+    For the model (as the runtime builds it), ``pages`` holds each layer's pages by layer
+    index, ``tables`` one block table per KV cache group and ``layer_group`` each layer's
+    group; ``layer()`` narrows it to what one layer's attention reads: that layer's pages (the
+    backend's own object) and its group's table. A table is int32 (n_seqs, max_blocks), -1
+    where a block is not held; ``row_seq`` is int32 (n,), each token's row in the tables.
+    """
     pages: Any
     tables: Any
     row_seq: Any
     block_size: int
+    layer_group: Sequence[int] = ()  # by layer index (the model's view; empty for one layer)
+
+    def layer(self, index: int) -> "KVBatch":
+        """What layer ``index`` reads and writes.
+
+        Args:
+            index: the layer's index into ``pages`` (and ``layer_group``).
+        Returns:
+            A KVBatch with that layer's pages and its group's block table.
+        """
+        return KVBatch(self.pages[index], self.tables[self.layer_group[index]], self.row_seq,
+                       self.block_size)
 
 
 @dataclass(frozen=True)
@@ -112,13 +129,13 @@ class Backend(Protocol):
     def rope(self, x: Any, n_heads: int, positions: Sequence[int], spec: RopeSpec) -> Any:
         """Rotary position embedding of x (n, n_heads * head_dim)."""
 
-    def attention(self, q: Any, k: Any, v: Any, kv: LayerKV, positions: Sequence[int],
+    def attention(self, q: Any, k: Any, v: Any, kv: KVBatch, positions: Sequence[int],
                   n_heads: int, scale: float, window: int = 0,
                   k_balance: Sequence[float] | None = None) -> Any:
         """Store k, v at ``positions`` of each token's sequence and attend causally:
-        (n, n_heads * head_dim). Keys of a rotated KV type are stored divided by
-        ``k_balance`` (per dim, powers of two) and queries multiplied by it, before the
-        rotation (kernels/kvpages.py key_balance)."""
+        (n, n_heads * head_dim); ``kv`` is this layer's (``KVBatch.layer``). Keys of a
+        rotated KV type are stored divided by ``k_balance`` (per dim, powers of two) and
+        queries multiplied by it, before the rotation (kernels/kvpages.py key_balance)."""
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
         """act(gate) * up with act in {'silu', 'gelu_tanh'}."""
@@ -127,7 +144,7 @@ class Backend(Protocol):
         """x + y (may reuse x's storage)."""
 
     def decoder_block(self, x: Any, w: Any, spec: Any, positions: Sequence[int],
-                      kv: LayerKV) -> Any:
+                      kv: KVBatch) -> Any:
         """One whole decoder block (models/block.py) in the backend's native way, with the
         bits of ``compose_block``; called only when ``fused_blocks``."""
 

@@ -25,7 +25,7 @@ from localllm.kernels import matmul as mm
 from localllm.kernels import ops
 
 from . import cpu_block
-from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
+from .base import KVBatch, KVLayout, MemoryInfo, RopeSpec
 from .cpu_store import PackedStore
 from .host import RopeTables
 
@@ -297,12 +297,12 @@ class CpuBackend:
                 b = (h * n_blocks + dst) * per
                 arr[b:b + per] = arr[a:a + per]
 
-    def _paged(self, kv: LayerKV) -> attn_k.PagedKV:
+    def _paged(self, kv: KVBatch) -> attn_k.PagedKV:
         p = kv.pages
         return attn_k.PagedKV(p.K, p.V, kv.tables, kv.row_seq, kv.block_size,
                               p.layout.n_kv_heads)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
+    def attention(self, q, k, v, kv: KVBatch, positions, n_heads, scale, window=0,
                   k_balance=None):
         pk = self._paged(kv)
         # copies: the kernel works in place on its scratch
@@ -313,7 +313,7 @@ class CpuBackend:
                                float(scale), _balance(k_balance), out)
         return out
 
-    def decoder_block(self, x, w, spec, positions, kv: LayerKV):
+    def decoder_block(self, x, w, spec, positions, kv: KVBatch):
         """One whole decoder block in a single Numba call (see models/block.py)."""
         entry = self._blocks.get(id(w))
         if entry is None or entry[0] is not w:

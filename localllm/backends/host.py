@@ -7,7 +7,6 @@ KV blocks rounded by the CPU pages' own code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numba import njit
@@ -15,7 +14,7 @@ from numba import njit
 from localllm.kernels.kvpages import ROTATED, _q4_block, v_row_nbytes
 from localllm.kernels.ops import rope_tables
 
-from .base import KVLayout, LayerKV, RopeSpec
+from .base import KVBatch, KVLayout, RopeSpec
 
 
 def kv_block_nbytes(layout: KVLayout) -> int:
@@ -79,26 +78,6 @@ def q4_0_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclass
-class DeviceKVPages:
-    """One layer's KV pages on a device backend: keys and values, each a KVStore of that
-    backend (torch_kv, mlx_kv) with ``nbytes`` and ``read_numpy(start, stop)``."""
-    layout: KVLayout
-    k: Any
-    v: Any
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def read_block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of one block as float32 numpy (block_size, n_kv, hd) each, for
-        inspection and tests."""
-        bs = self.layout.block_size
-        return (self.k.read_numpy(block * bs, (block + 1) * bs),
-                self.v.read_numpy(block * bs, (block + 1) * bs))
-
-
-@dataclass
 class SeqSlots:
     """One sequence's part of an attention call: its tokens' rows in the batch, the page
     slots its keys are gathered from, and which of them each token may see."""
@@ -114,7 +93,7 @@ class AttentionPlan:
     seqs: list
 
 
-def _check(kv: LayerKV, positions: np.ndarray, n_blocks: int) -> None:
+def _check(kv: KVBatch, positions: np.ndarray, n_blocks: int) -> None:
     tables, rs, bs = kv.tables, kv.row_seq, kv.block_size
     if positions.shape[0] != rs.shape[0]:
         raise ValueError("paged KV: positions and row_seq differ in length")
@@ -126,11 +105,11 @@ def _check(kv: LayerKV, positions: np.ndarray, n_blocks: int) -> None:
         raise ValueError("paged KV: a block the attention needs is not held")
 
 
-def attention_plan(kv: LayerKV, positions, window: int, n_blocks: int) -> AttentionPlan:
+def attention_plan(kv: KVBatch, positions, window: int, n_blocks: int) -> AttentionPlan:
     """The slots a batch writes and reads.
 
     Args:
-        kv: the layer's LayerKV (numpy tables and row_seq).
+        kv: the layer's KVBatch (numpy tables and row_seq).
         positions: int (n,) each token's position in its sequence.
         window: sliding-window span (keys at positions p - window + 1 .. p), 0 for none.
         n_blocks: blocks the layer's pages hold.
@@ -168,7 +147,7 @@ class PlanCache:
     def __init__(self):
         self._pass = None
 
-    def get(self, kv: LayerKV, positions, window: int, n_blocks: int) -> AttentionPlan:
+    def get(self, kv: KVBatch, positions, window: int, n_blocks: int) -> AttentionPlan:
         p = self._pass
         if p is None or p[0] is not positions or p[1] is not kv.row_seq:
             p = self._pass = (positions, kv.row_seq, {})

@@ -5,7 +5,7 @@ Weights in formats that map exactly onto MLX's affine quantization stay quantize
 through mx.quantized_matmul (mlx_quant.py); the others are quantized again by MLX. Compute
 and scales are float32, which keeps the exact mappings exact. KV pages are MLX arrays in
 every KV type (mlx_kv.py), q8_0 and q4_0 Hadamard-rotated as the CPU backend's; attention
-gathers each sequence's pages per call.
+gathers each sequence's pages per call (the part shared with torch is device.py's).
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ import numpy as np
 from localllm.formats.quants import row_nbytes
 
 from . import mlx_kv, mlx_quant
-from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
-from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
-
-_GELU_K1 = -2.0 * 0.7978845608028654
-_GELU_K3 = _GELU_K1 * 0.044715
+from .base import MemoryInfo, RopeSpec
+from .device import GELU_K1, GELU_K3, DeviceBackend, DeviceKVPages
+from .host import AttentionPlan
 
 
 @dataclass
@@ -87,12 +85,10 @@ def dequantize(w: MlxMatrix, rows: mx.array | None = None) -> mx.array:
     return mx.dequantize(wq, s, b, group_size=mlx_quant.GROUP, bits=w.bits)
 
 
-class MlxBackend:
+class MlxBackend(DeviceBackend):
     """Backend on MLX's default device (Metal when available)."""
 
     name = "mlx"
-    fused_blocks = False
-    copies_weights = True
 
     def __init__(self, convert_bits: dict | None = None):
         """Args:
@@ -100,12 +96,60 @@ class MlxBackend:
 
         It computes on MLX's default device: the GPU where Metal is available.
         """
+        super().__init__()
         self.convert_bits = dict(convert_bits or mlx_quant.CONVERT_BITS)
         self.gpu = mx.default_device() == mx.gpu
         self.device = "metal" if self.gpu else "mlx-cpu"
-        self._rope = RopeTables()
-        self._plans = PlanCache()
-        self._held = 0
+
+    # ---- array hooks (device.py) -----------------------------------------------------
+
+    def _indices(self, values):
+        return mx.array(np.asarray(values, np.int32))
+
+    def _floats(self, values):
+        return mx.array(np.asarray(values, np.float32))
+
+    def _nbytes(self, a):
+        return a.nbytes
+
+    def _rotate(self, x):
+        return mlx_kv.rotate(x)
+
+    def _exp(self, x):
+        return mx.exp(x)
+
+    def _gelu_exp(self, gate):
+        return mx.exp(gate * (GELU_K1 + GELU_K3 * gate * gate))
+
+    def _embedding_rows(self, table: MlxMatrix, idx):
+        return dequantize(table, idx)
+
+    def _kv_store(self, kv_type, n_slots, n_kv, hd):
+        return mlx_kv.KVStore(kv_type, n_slots, n_kv, hd)
+
+    def _attend(self, q3, pages: DeviceKVPages, plan: AttentionPlan, n_heads, scale):
+        n, _, hd = q3.shape
+        n_kv = pages.layout.n_kv_heads
+        G = n_heads // n_kv
+        parts = []
+        for sq in plan.seqs:
+            slots = mx.array(sq.slots.astype(np.int32))
+            K = pages.k.read(slots).transpose(1, 0, 2)                     # (n_kv, L, hd)
+            V = pages.v.read(slots).transpose(1, 0, 2)
+            n_s = len(sq.rows)
+            qs = q3[mx.array(sq.rows.astype(np.int32))].transpose(1, 0, 2)  # (H, n_s, hd)
+            qs = qs.reshape(n_kv, G * n_s, hd)
+            scores = (qs @ K.transpose(0, 2, 1)).reshape(n_kv, G, n_s, -1) * scale
+            scores = mx.where(mx.array(sq.mask), scores, -math.inf)
+            p = mx.softmax(scores, axis=-1).reshape(n_kv, G * n_s, -1)
+            o = (p @ V).reshape(n_heads, n_s, hd).transpose(1, 0, 2)
+            parts.append((sq.rows, o))
+        if len(parts) == 1 and len(parts[0][0]) == n:
+            return parts[0][1][mx.array(np.argsort(parts[0][0]).astype(np.int32))]
+        out = mx.zeros((n, n_heads, hd), dtype=mx.float32)
+        for rows, o in parts:
+            out[mx.array(rows.astype(np.int32))] = o
+        return out
 
     # ---- memory ----------------------------------------------------------------------
 
@@ -125,16 +169,7 @@ class MlxBackend:
     def plan_scratch_nbytes(self, largest: int) -> int:
         return 0  # quantized_matmul reads the packed weights directly
 
-    def held_nbytes(self) -> int:
-        return self._held
-
     # ---- weights ---------------------------------------------------------------------
-
-    def begin_model(self, gguf_path) -> None:
-        pass
-
-    def end_model(self) -> None:
-        pass
 
     def upload_matrix(self, name, type_name, raw, N, K, done=None):
         w = convert(raw, type_name, N, K, self.convert_bits)
@@ -144,23 +179,11 @@ class MlxBackend:
         self._held += w.nbytes
         return w
 
-    def upload_vector(self, values):
-        v = mx.array(np.ascontiguousarray(values, dtype=np.float32))
-        self._held += v.nbytes
-        return v
-
     def upload_embedding(self, type_name, rows, dim):
         w = convert(np.asarray(rows).reshape(-1), type_name, rows.shape[0], dim,
                     self.convert_bits)
         self._held += w.nbytes
         return w
-
-    def matrix_nbytes(self, w: MlxMatrix) -> int:
-        return w.nbytes
-
-    def embed(self, table: MlxMatrix, ids, scale: float = 1.0):
-        x = dequantize(table, mx.array(np.asarray(ids, np.int32)))
-        return x * np.float32(scale) if scale != 1.0 else x
 
     # ---- math ------------------------------------------------------------------------
 
@@ -181,10 +204,6 @@ class MlxBackend:
             outs.append(y)
         return outs
 
-    def head_norm(self, x, n_heads, weight, eps):
-        n = x.shape[0]
-        return self.rms_norm(x.reshape(n, n_heads, -1), weight, eps).reshape(n, -1)
-
     def rope(self, x, n_heads, positions, spec: RopeSpec):
         c, s = self._rope.on_device(positions, spec, lambda a: mx.array(a)[:, None, :])
         n = x.shape[0]
@@ -200,63 +219,8 @@ class MlxBackend:
             rot = [mx.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(n, n_heads, -1)]
         return mx.concatenate(rot + [rest], axis=-1).reshape(n, -1)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
-                  k_balance=None):
-        pages = kv.pages
-        lay = pages.layout
-        n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
-        plan = self._plans.get(kv, positions, window,
-                               pages.k.data.shape[0] // lay.block_size)
-        write = mx.array(plan.write.astype(np.int32))
-        q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
-        # q8_0/q4_0 hold balanced, rotated vectors as the CPU pages do (paged_attention)
-        turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
-        if turn_k:
-            if k_balance is not None:  # powers of two per dim: exact, as the CPU's
-                d = mx.array(np.asarray(k_balance, np.float32))
-                q3, k3 = q3 * d, k3 / d
-            q3, k3 = mlx_kv.rotate(q3), mlx_kv.rotate(k3)
-        pages.k.write(write, k3)
-        pages.v.write(write, mlx_kv.rotate(v3) if turn_v else v3)
-        G = n_heads // n_kv
-        parts = []
-        for sq in plan.seqs:
-            slots = mx.array(sq.slots.astype(np.int32))
-            K = pages.k.read(slots).transpose(1, 0, 2)                     # (n_kv, L, hd)
-            V = pages.v.read(slots).transpose(1, 0, 2)
-            n_s = len(sq.rows)
-            qs = q3[mx.array(sq.rows.astype(np.int32))].transpose(1, 0, 2)  # (H, n_s, hd)
-            qs = qs.reshape(n_kv, G * n_s, hd)
-            scores = (qs @ K.transpose(0, 2, 1)).reshape(n_kv, G, n_s, -1) * scale
-            scores = mx.where(mx.array(sq.mask), scores, -math.inf)
-            p = mx.softmax(scores, axis=-1).reshape(n_kv, G * n_s, -1)
-            o = (p @ V).reshape(n_heads, n_s, hd).transpose(1, 0, 2)
-            parts.append((sq.rows, o))
-        if len(parts) == 1 and len(parts[0][0]) == n:
-            out = parts[0][1][mx.array(np.argsort(parts[0][0]).astype(np.int32))]
-        else:
-            out = mx.zeros((n, n_heads, hd), dtype=mx.float32)
-            for rows, o in parts:
-                out[mx.array(rows.astype(np.int32))] = o
-        if turn_v:
-            out = mlx_kv.rotate(out)
-        return out.reshape(n, n_heads * hd)
-
-    def decoder_block(self, x, w, spec, positions, kv):
-        raise NotImplementedError("the MLX backend runs blocks op by op (fused_blocks=False)")
-
-    def glu(self, gate, up, act):
-        if act == "silu":
-            return gate / (1.0 + mx.exp(-gate)) * up
-        if act == "gelu_tanh":
-            return gate / (1.0 + mx.exp(gate * (_GELU_K1 + _GELU_K3 * gate * gate))) * up
-        raise ValueError(f"unknown activation {act}")
-
     def add(self, x, y):
         return x + y
-
-    def select_rows(self, x, rows):
-        return x[mx.array(np.asarray(rows, np.int32))]
 
     def to_numpy(self, x):
         return np.array(x.astype(mx.float32), copy=True)
@@ -266,20 +230,3 @@ class MlxBackend:
 
     def logsumexp(self, logits) -> float:
         return float(mx.logsumexp(mx.array(np.asarray(logits, np.float32))).item())
-
-    # ---- KV pages --------------------------------------------------------------------
-
-    @staticmethod
-    def kv_block_nbytes(layout: KVLayout) -> int:
-        return kv_block_nbytes(layout)
-
-    def new_kv_pages(self, layout: KVLayout, n_blocks: int):
-        pages = mlx_kv.new_pages(layout, n_blocks)
-        self._held += pages.nbytes
-        return pages
-
-    def copy_kv_block(self, pages, src: int, dst: int) -> None:
-        bs = pages.layout.block_size
-        s, d = mx.arange(src * bs, (src + 1) * bs), mx.arange(dst * bs, (dst + 1) * bs)
-        pages.k.copy(s, d)
-        pages.v.copy(s, d)

@@ -5,8 +5,9 @@ Weights stay as their GGUF blocks on the device; a matmul dequantizes them (bit-
 the numpy reference) in chunks of rows into scratch and multiplies in the compute type:
 float16 on CUDA, float32 on the CPU. Activations between operations are float32. KV pages
 live on the device in every KV type (torch_kv.py), q8_0 and q4_0 Hadamard-rotated as the CPU
-backend's; attention gathers each sequence's pages through its block table per call. Results are not batch-invariant (a GPU GEMM's reduction
-order depends on its shape), unlike the CPU backend's.
+backend's; attention gathers each sequence's pages through its block table per call (the part
+shared with MLX is device.py's). Results are not batch-invariant (a GPU GEMM's reduction order
+depends on its shape), unlike the CPU backend's.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 from localllm.formats.quants import row_nbytes
 
 from . import torch_kv
-from .base import KVLayout, LayerKV, MemoryInfo, RopeSpec
-from .host import PlanCache, RopeTables, kv_block_nbytes, kv_rotated
+from .base import MemoryInfo, RopeSpec
+from .device import GELU_K1, GELU_K3, DeviceBackend, DeviceKVPages
+from .host import AttentionPlan
 from .torch_quant import dequantize_rows
 
 # Elements of a weight dequantized at once: bounds the scratch (a 262k-row output head is
@@ -31,8 +33,6 @@ SCRATCH_ELEMS = 1 << 22
 # float32 result and its float quants (8), the integer unpacking temporaries (~2), and the
 # compute-type copy where it is not float32.
 _SCRATCH_PER_ELEM = 10
-_GELU_K1 = -2.0 * 0.7978845608028654  # -2 sqrt(2/pi)
-_GELU_K3 = _GELU_K1 * 0.044715
 
 
 @dataclass
@@ -61,12 +61,10 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class TorchBackend:
+class TorchBackend(DeviceBackend):
     """Backend on a torch device."""
 
     name = "torch"
-    fused_blocks = False
-    copies_weights = True
 
     def __init__(self, device: str | None = None, threads: int | None = None,
                  compute_dtype: torch.dtype | None = None, scratch_elems: int = SCRATCH_ELEMS):
@@ -76,6 +74,7 @@ class TorchBackend:
             compute_dtype: matmul type; None: float16 on CUDA, float32 on the CPU.
             scratch_elems: weight elements dequantized at once.
         """
+        super().__init__()
         self.torch_device = torch.device(device or ("cuda" if cuda_available() else "cpu"))
         if self.torch_device.type == "cuda" and self.torch_device.index is None:
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
@@ -85,9 +84,51 @@ class TorchBackend:
         if threads and self.torch_device.type == "cpu":
             torch.set_num_threads(int(threads))
         self.scratch_elems = int(scratch_elems)
-        self._rope = RopeTables()
-        self._plans = PlanCache()
-        self._held = 0
+
+    # ---- array hooks (device.py) -----------------------------------------------------
+
+    def _indices(self, values):
+        return torch.as_tensor(np.asarray(values, np.int64), device=self.torch_device)
+
+    def _floats(self, values):
+        return torch.as_tensor(np.asarray(values, np.float32)).to(self.torch_device)
+
+    def _nbytes(self, a):
+        return a.numel() * a.element_size()
+
+    def _rotate(self, x):
+        return torch_kv.rotate(x)
+
+    def _exp(self, x):
+        return torch.exp(x)
+
+    def _gelu_exp(self, gate):
+        g = gate.double()  # float64 inside, as the CPU kernel's tanh-GELU
+        return torch.exp(g * (GELU_K1 + GELU_K3 * g * g)).float()
+
+    def _embedding_rows(self, table: TorchEmbedding, idx):
+        return dequantize_rows(table.rows[idx], table.type_name, table.dim)
+
+    def _kv_store(self, kv_type, n_slots, n_kv, hd):
+        return torch_kv.KVStore(kv_type, n_slots, n_kv, hd, self.torch_device)
+
+    def _attend(self, q3, pages: DeviceKVPages, plan: AttentionPlan, n_heads, scale):
+        n, _, hd = q3.shape
+        dev = self.torch_device
+        out = torch.empty((n, n_heads, hd), dtype=torch.float32, device=dev)
+        G = n_heads // pages.layout.n_kv_heads
+        for sq in plan.seqs:
+            rows = torch.from_numpy(sq.rows).to(dev)
+            slots = torch.from_numpy(sq.slots).to(dev)
+            K = pages.k.read(slots).permute(1, 0, 2).repeat_interleave(G, dim=0)  # (H, L, hd)
+            V = pages.v.read(slots).permute(1, 0, 2).repeat_interleave(G, dim=0)
+            qs = q3[rows].permute(1, 0, 2)                                         # (H, n_s, hd)
+            mask = torch.from_numpy(sq.mask).to(dev)
+            scores = (qs @ K.transpose(1, 2)) * scale
+            scores = scores.masked_fill(~mask, -math.inf)
+            p = torch.softmax(scores, dim=-1)
+            out[rows] = (p @ V).permute(1, 0, 2)
+        return out
 
     # ---- memory ----------------------------------------------------------------------
 
@@ -106,16 +147,7 @@ class TorchBackend:
         extra = 0 if self.dtype == torch.float32 else torch.finfo(self.dtype).bits // 8
         return min(largest, self.scratch_elems) * (_SCRATCH_PER_ELEM + extra)
 
-    def held_nbytes(self) -> int:
-        return self._held
-
     # ---- weights ---------------------------------------------------------------------
-
-    def begin_model(self, gguf_path) -> None:
-        pass
-
-    def end_model(self) -> None:
-        pass
 
     def _to_device(self, raw: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).to(self.torch_device)
@@ -128,21 +160,8 @@ class TorchBackend:
             done(0, N * row_nbytes(type_name, K))
         return TorchMatrix(type_name, N, K, rows)
 
-    def upload_vector(self, values):
-        t = torch.as_tensor(np.ascontiguousarray(values, dtype=np.float32)).to(self.torch_device)
-        self._held += t.numel() * 4
-        return t
-
     def upload_embedding(self, type_name, rows, dim):
         return TorchEmbedding(type_name, self._to_device(rows), dim)
-
-    def matrix_nbytes(self, w: TorchMatrix) -> int:
-        return w.nbytes
-
-    def embed(self, table: TorchEmbedding, ids, scale: float = 1.0):
-        idx = torch.as_tensor(np.asarray(ids, np.int64), device=self.torch_device)
-        x = dequantize_rows(table.rows[idx], table.type_name, table.dim)
-        return x * np.float32(scale) if scale != 1.0 else x
 
     # ---- math ------------------------------------------------------------------------
 
@@ -166,10 +185,6 @@ class TorchBackend:
             outs.append(y)
         return outs
 
-    def head_norm(self, x, n_heads, weight, eps):
-        n = x.shape[0]
-        return self.rms_norm(x.reshape(n, n_heads, -1), weight, eps).reshape(n, -1)
-
     def rope(self, x, n_heads, positions, spec: RopeSpec):
         c, s = self._rope.on_device(
             positions, spec, lambda a: torch.from_numpy(a).to(self.torch_device)[:, None, :])
@@ -186,59 +201,8 @@ class TorchBackend:
             y[..., 1:2 * half:2] = b * c + a * s
         return y.reshape(n, -1)
 
-    def attention(self, q, k, v, kv: LayerKV, positions, n_heads, scale, window=0,
-                  k_balance=None):
-        pages = kv.pages
-        lay = pages.layout
-        n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
-        plan = self._plans.get(kv, positions, window,
-                               pages.k.data.shape[0] // lay.block_size)
-        dev = self.torch_device
-        write = torch.from_numpy(plan.write).to(dev)
-        q3, k3, v3 = q.reshape(n, n_heads, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
-        # q8_0/q4_0 hold balanced, rotated vectors as the CPU pages do (paged_attention)
-        turn_k, turn_v = kv_rotated(lay.k_type), kv_rotated(lay.v_type)
-        if turn_k:
-            if k_balance is not None:  # powers of two per dim: exact, as the CPU's
-                d = torch.tensor(k_balance, dtype=torch.float32, device=dev)
-                q3, k3 = q3 * d, k3 / d
-            q3, k3 = torch_kv.rotate(q3), torch_kv.rotate(k3)
-        pages.k.write(write, k3)
-        pages.v.write(write, torch_kv.rotate(v3) if turn_v else v3)
-        out = torch.empty((n, n_heads, hd), dtype=torch.float32, device=dev)
-        G = n_heads // n_kv
-        for sq in plan.seqs:
-            rows = torch.from_numpy(sq.rows).to(dev)
-            slots = torch.from_numpy(sq.slots).to(dev)
-            K = pages.k.read(slots).permute(1, 0, 2).repeat_interleave(G, dim=0)  # (H, L, hd)
-            V = pages.v.read(slots).permute(1, 0, 2).repeat_interleave(G, dim=0)
-            qs = q3[rows].permute(1, 0, 2)                                         # (H, n_s, hd)
-            mask = torch.from_numpy(sq.mask).to(dev)
-            scores = (qs @ K.transpose(1, 2)) * scale
-            scores = scores.masked_fill(~mask, -math.inf)
-            p = torch.softmax(scores, dim=-1)
-            out[rows] = (p @ V).permute(1, 0, 2)
-        if turn_v:
-            out = torch_kv.rotate(out)
-        return out.reshape(n, n_heads * hd)
-
-    def decoder_block(self, x, w, spec, positions, kv):
-        raise NotImplementedError("the torch backend runs blocks op by op (fused_blocks=False)")
-
-    def glu(self, gate, up, act):
-        if act == "silu":
-            return gate / (1.0 + torch.exp(-gate)) * up
-        if act == "gelu_tanh":
-            g = gate.double()
-            e = torch.exp(g * (_GELU_K1 + _GELU_K3 * g * g)).float()
-            return gate / (1.0 + e) * up
-        raise ValueError(f"unknown activation {act}")
-
     def add(self, x, y):
         return x.add_(y)
-
-    def select_rows(self, x, rows):
-        return x[torch.as_tensor(np.asarray(rows, np.int64), device=self.torch_device)]
 
     def to_numpy(self, x):
         # A copy: on the CPU device .numpy() would share memory that later in-place adds
@@ -252,19 +216,3 @@ class TorchBackend:
 
     def logsumexp(self, logits) -> float:
         return float(torch.logsumexp(torch.from_numpy(np.asarray(logits, np.float32)), 0))
-
-    # ---- KV pages --------------------------------------------------------------------
-
-    @staticmethod
-    def kv_block_nbytes(layout: KVLayout) -> int:
-        return kv_block_nbytes(layout)
-
-    def new_kv_pages(self, layout: KVLayout, n_blocks: int):
-        pages = torch_kv.new_pages(layout, n_blocks, self.torch_device)
-        self._held += pages.nbytes
-        return pages
-
-    def copy_kv_block(self, pages, src: int, dst: int) -> None:
-        bs = pages.layout.block_size
-        for side in (pages.k, pages.v):
-            side.copy(slice(src * bs, (src + 1) * bs), slice(dst * bs, (dst + 1) * bs))

@@ -2,23 +2,18 @@
 (kernels/kvpages.py): f16 and bf16 nearest-even, fp8 E4M3 nearest-even saturating at 448
 (NaN stored as 0), q8_0 and q4_0 in llama.cpp's blocks of 32 dims with f16 scales (q4_0's
 scale chosen as the CPU pages choose it), both holding Hadamard-rotated vectors (``rotate``).
-
-A page array is token-major: slot ``block * block_size + offset`` holds one token's
-(n_kv_heads, head_dim) keys or values, so a sequence's keys are one gather of its slots.
+The layout and the read and write paths are device.py's; this fills in torch's arrays.
 """
 
 from __future__ import annotations
 
 import torch
 
-from localllm.kernels.kvpages import check_head_dim
+from .device import FP8_MAX, QBLOCK, DeviceKVStore
+from .host import hadamard, q4_0_blocks
 
-from .base import KVLayout
-from .host import DeviceKVPages, hadamard, q4_0_blocks
-
-QBLOCK = 32  # dims per scale of q8_0 / q4_0
-FP8_MAX = 448.0
-_FLOAT_TYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+           "int8": torch.int8, "uint8": torch.uint8}
 
 
 def _q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,70 +42,40 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return hadamard(x, lambda a, b: torch.stack((a, b), dim=-2))
 
 
-class KVStore:
-    """One side (keys or values) of a layer's pages in one KV type."""
+class KVStore(DeviceKVStore):
+    """One side (keys or values) of a layer's pages in one KV type, on a torch device."""
 
-    def __init__(self, kv_type: str, n_slots: int, n_kv: int, hd: int, device):
-        self.kv_type = kv_type
-        self.scale = None
-        if kv_type in _FLOAT_TYPES:
-            self.data = torch.zeros((n_slots, n_kv, hd), dtype=_FLOAT_TYPES[kv_type],
-                                    device=device)
-        else:
-            width = hd if kv_type == "q8_0" else hd // 2
-            dtype = torch.int8 if kv_type == "q8_0" else torch.uint8
-            self.data = torch.zeros((n_slots, n_kv, width), dtype=dtype, device=device)
-            self.scale = torch.zeros((n_slots, n_kv, hd // QBLOCK), dtype=torch.float16,
-                                     device=device)
+    def __init__(self, kv_type: str, n_slots: int, n_kv: int, hd: int, device: torch.device):
+        self.torch_device = device
+        super().__init__(kv_type, n_slots, n_kv, hd)
 
-    @property
-    def nbytes(self) -> int:
-        n = self.data.numel() * self.data.element_size()
-        if self.scale is not None:
-            n += self.scale.numel() * self.scale.element_size()
-        return n
+    def _zeros(self, shape, kind):
+        return torch.zeros(shape, dtype=_DTYPES[kind], device=self.torch_device)
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Store x (n, n_kv, hd) float32 at slots (n,), rounded to the KV type."""
-        t = self.kv_type
-        if t == "fp8":
+    def _nbytes(self, a):
+        return a.numel() * a.element_size()
+
+    def _store_float(self, x):
+        if self.kv_type == "fp8":
             x = torch.nan_to_num(x, nan=0.0).clamp(-FP8_MAX, FP8_MAX)
-        if t in _FLOAT_TYPES:
-            self.data[slots] = x.to(self.data.dtype)
-            return
-        q, d = (_q8_0 if t == "q8_0" else _q4_0)(x.float())
-        self.data[slots] = q
-        self.scale[slots] = d
+        return x.to(self.data.dtype)
 
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """The stored vectors at slots as float32 (len(slots), n_kv, hd), widened exactly."""
-        if self.scale is None:
-            return self.data[slots].float()
-        q = self.data[slots]
+    def _load_float(self, q):
+        return q.float()
+
+    def _quantize(self, x):
+        return (_q8_0 if self.kv_type == "q8_0" else _q4_0)(x.float())
+
+    def _dequantize(self, q, s):
         if self.kv_type == "q4_0":
-            q = torch.cat([(q.reshape(*q.shape[:-1], -1, 16) & 0x0F),
-                           (q.reshape(*q.shape[:-1], -1, 16) >> 4)], dim=-1)
-            q = q.reshape(*q.shape[:-2], -1).float() - 8.0
+            g = q.reshape(*q.shape[:-1], -1, 16)
+            q = torch.cat([g & 0x0F, g >> 4], dim=-1).reshape(*q.shape[:-1], -1).float() - 8.0
         else:
             q = q.float()
-        s = self.scale[slots].float().repeat_interleave(QBLOCK, dim=-1)
-        return q * s
+        return q * s.float().repeat_interleave(QBLOCK, dim=-1)
 
-    def read_numpy(self, start: int, stop: int):
-        """Slots start..stop-1 as float32 numpy."""
-        return self.read(torch.arange(start, stop, device=self.data.device)).cpu().numpy()
+    def _slots(self, start, stop):
+        return torch.arange(start, stop, device=self.torch_device)
 
-    def copy(self, src: slice, dst: slice) -> None:
-        self.data[dst] = self.data[src]
-        if self.scale is not None:
-            self.scale[dst] = self.scale[src]
-
-
-def new_pages(layout: KVLayout, n_blocks: int, device) -> DeviceKVPages:
-    """Zeroed pages for n_blocks blocks (zeros: a masked slot never holds NaN)."""
-    for t in (layout.k_type, layout.v_type):
-        check_head_dim(t, layout.head_dim)
-    n = n_blocks * layout.block_size
-    return DeviceKVPages(layout,
-                        KVStore(layout.k_type, n, layout.n_kv_heads, layout.head_dim, device),
-                        KVStore(layout.v_type, n, layout.n_kv_heads, layout.head_dim, device))
+    def _to_numpy(self, x):
+        return x.cpu().numpy()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localllm.backends.base import RopeSpec
+from localllm.backends.base import Backend, KVBatch, RopeSpec
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,13 @@ class BlockWeights:
     post_ffn_norm: Any = None
 
 
-def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
+def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
+                  kv: KVBatch):
     """One decoder block from backend operations (the reference for native blocks).
 
     Args:
         be: the backend; x: (n, dim) hidden states; positions: (n,) token positions;
-        kv: this layer's LayerKV for the batch.
+        kv: this layer's KVBatch (KVBatch.layer).
     Returns:
         The new hidden states (n, dim); ``x`` may be updated in place.
     """
@@ -80,7 +81,7 @@ def compose_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
     return be.add(x, y)
 
 
-def run_block(be, x, w: BlockWeights, spec: BlockSpec, positions, kv):
+def run_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions, kv: KVBatch):
     """The block on the backend's native path when it has one, else composed from ops."""
     if be.fused_blocks:
         return be.decoder_block(x, w, spec, positions, kv)

@@ -8,7 +8,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from localllm.backends.base import Backend
 from localllm.errors import UnsupportedModel
+
 
 # The architectures' name for localllm.errors.UnsupportedModel (the same class): the file's
 # metadata or tensors don't describe a model we can run.
@@ -52,16 +54,16 @@ def meta_float(meta: dict, key: str, default: float | None = None) -> float:
 @dataclass(frozen=True)
 class Placement:
     """Which backend holds what: the token embedding, each decoder layer, the output head."""
-    embed: Any
-    layers: tuple
-    head: Any
+    embed: Backend
+    layers: tuple[Backend, ...]
+    head: Backend
 
     @classmethod
-    def single(cls, backend, n_layers: int) -> "Placement":
+    def single(cls, backend: Backend, n_layers: int) -> "Placement":
         """Everything on one backend."""
         return cls(backend, (backend,) * n_layers, backend)
 
-    def backends(self) -> list:
+    def backends(self) -> list[Backend]:
         """Each distinct backend once, in placement order."""
         out = []
         for be in (self.embed, *self.layers, self.head):
@@ -101,9 +103,9 @@ class WeightLoader:
     def __init__(self, gguf_file, placement: Placement):
         self.file = gguf_file
         self.placement = placement
-        self.backend = placement.embed  # the embedding's backend
+        self.backend: Backend = placement.embed  # the embedding's backend
 
-    def backend_for(self, name: str):
+    def backend_for(self, name: str) -> Backend:
         """The backend a tensor goes to."""
         m = _LAYER_TENSOR.match(name)
         if m:

@@ -7,9 +7,9 @@ layer's backend) and the cache groups' block tables it is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from localllm.backends.base import LayerKV
+from localllm.backends.base import Backend, KVBatch
 
 from .block import BlockSpec, BlockWeights, run_block
 
@@ -18,21 +18,9 @@ from .block import BlockSpec, BlockWeights, run_block
 class PlacedLayer:
     """One decoder layer where it runs."""
     index: int
-    backend: Any
+    backend: Backend
     weights: BlockWeights
     spec: BlockSpec
-
-
-@dataclass
-class KVBatch:
-    """The KV side of a forward pass: each layer's pages (on its backend, by layer index),
-    the batch's block tables per cache group, each token's row in them (numpy int32), and
-    each layer's cache group (by layer index: the KV space's grouping)."""
-    pages: Sequence[Any]
-    tables: Sequence[Any]
-    row_seq: Any
-    block_size: int
-    layer_group: Sequence[int]
 
 
 class Net:
@@ -41,8 +29,8 @@ class Net:
 
     args: Any
     layers: list[PlacedLayer]
-    be: Any
-    head_be: Any
+    be: Backend
+    head_be: Backend
 
     def embed(self, ids):
         """Hidden states of the tokens, on the embedding's backend."""
@@ -64,9 +52,7 @@ class Net:
             if layer.backend is not be:  # activations cross devices only at a boundary
                 x = layer.backend.from_numpy(be.to_numpy(x))
                 be = layer.backend
-            lkv = LayerKV(kv.pages[layer.index], kv.tables[kv.layer_group[layer.index]], kv.row_seq,
-                          kv.block_size)
-            x = run_block(be, x, layer.weights, layer.spec, positions, lkv)
+            x = run_block(be, x, layer.weights, layer.spec, positions, kv.layer(layer.index))
         if len(logit_rows) == 0:
             return None
         if self.head_be is not be:

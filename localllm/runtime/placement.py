@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localllm.backends.base import KVLayout
+from localllm.backends.base import Backend, KVLayout
 from localllm.models.common import Placement
 from localllm.errors import BadSetting, NotEnoughMemory
 
@@ -79,7 +79,7 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def make_gpu_backend(name: str, threads: int):
+def make_gpu_backend(name: str, threads: int) -> Backend | None:
     """The GPU backend object for a resolved name ('cpu': None)."""
     if name == "torch":
         from localllm.backends.torch import TorchBackend
@@ -93,7 +93,7 @@ def make_gpu_backend(name: str, threads: int):
 @dataclass
 class DevicePlan:
     """What one backend will hold."""
-    backend: Any
+    backend: Backend
     pool: str                   # the memory it allocates from (backends may share one)
     layers: list = field(default_factory=list)
     head: bool = False
@@ -233,7 +233,8 @@ def _needs(devs: list, ctx: int) -> dict:
     return need
 
 
-def plan_memory(tensors, args, cpu, gpu, req: PlanRequest, free: dict | None = None) -> MemoryPlan:
+def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanRequest,
+                free: dict | None = None) -> MemoryPlan:
     """Plan a model's memory before loading it.
 
     Args:

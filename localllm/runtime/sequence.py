@@ -11,12 +11,12 @@ from typing import Literal, Sequence as Seq
 
 import numpy as np
 
-from localllm.backends.base import KVLayout
+from localllm.backends.base import KVBatch, KVLayout
 from localllm.errors import (ContextFull, EmptyPrompt, EngineError, KVPoolFull, SequenceError,
                              TokenOutOfVocab)
 from localllm.runtime.kv.blocks import BlockPool, PoolStats
 from localllm.runtime.kv.cache import CacheGroup, PagedCache, SeqKV
-from localllm.models.net import KVBatch, Net
+from localllm.models.net import Net
 
 # EngineError is re-exported here, where it was defined before localllm.errors.
 __all__ = ["EngineError", "KVSpace", "KVStats", "Runner", "Sequence", "StepItem", "check_tokens"]

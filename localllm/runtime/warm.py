@@ -32,10 +32,10 @@ _COST = {"attention": 14.0, "ops": 3.0, "matmul": 2.0}
 
 def _job_attention(be) -> None:
     """Attention over f16 KV pages (the default KV type; others compile on first use)."""
-    from localllm.backends.base import KVLayout, LayerKV
+    from localllm.backends.base import KVBatch, KVLayout
     n_kv, hd, n_heads = 1, 64, 2
     pages = be.new_kv_pages(KVLayout(n_kv, hd, 16), 1)
-    kv = LayerKV(pages, np.zeros((1, 1), np.int32), np.zeros(2, np.int32), 16)
+    kv = KVBatch(pages, np.zeros((1, 1), np.int32), np.zeros(2, np.int32), 16)
     q = np.zeros((2, n_heads * hd), np.float32)
     k = np.zeros((2, n_kv * hd), np.float32)
     be.attention(q, k, k.copy(), kv, [0, 1], n_heads, 0.125, 0)

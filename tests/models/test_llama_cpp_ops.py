@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import localllm
-from localllm.backends.base import LayerKV
+from localllm.backends.base import KVBatch
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
 
@@ -98,7 +98,7 @@ def block_steps(m, fx, layer):
     with m.new_sequence() as seq:
         m.kv.cache.reserve(seq.kv, n)  # blocks for positions 0..n-1
         group = m.kv.layer_group[layer]
-        kv = LayerKV(m.kv.pages[layer], np.array([seq.kv.tables[group]], np.int32),
+        kv = KVBatch(m.kv.pages[layer], np.array([seq.kv.tables[group]], np.int32),
                      np.zeros(n, np.int32), m.kv.block_size)
         o = be.attention(q_all, g("k_rope"), g("v"), kv, np.arange(n), s.n_heads,
                          s.attn_scale, s.window)

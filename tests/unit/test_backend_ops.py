@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localllm.testing.kernel_data import FORMATS, random_weight
-from localllm.backends.base import KVLayout, LayerKV, RopeSpec
+from localllm.backends.base import KVLayout, KVBatch, RopeSpec
 from localllm.backends.cpu import CpuBackend
 from localllm.formats.dequant import dequantize
 from localllm.kernels import attention as attn
@@ -203,7 +203,7 @@ class Batch:
         self.positions = np.asarray(positions, np.int64)
 
     def kv(self, pages):
-        return LayerKV(pages, self.tables, self.row_seq, self.layout.block_size)
+        return KVBatch(pages, self.tables, self.row_seq, self.layout.block_size)
 
 
 def _attend(backend, batch, pages, q, k, v, H, scale, window):
