@@ -120,7 +120,7 @@ def main() -> int:
     from localllm.formats.fetch import resolve_model_path
     from test_backends_models import GREEDY_PROMPTS
     results, failed = [], False
-    from localllm.kernels.simd import ISA
+    ISA = localllm.configure_process().isa
     print(f"machine: {machine()}, {args.threads or 'all physical'} CPU threads, CPU backend's "
           f"kernel path {ISA}", flush=True)
     for name in args.models:

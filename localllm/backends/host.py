@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
 
+from localllm.kernels.jit import njit
 from localllm.kernels.kvpages import ROTATED, _q4_block, v_row_nbytes
 from localllm.kernels.ops import rope_tables
 
