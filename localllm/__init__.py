@@ -7,7 +7,8 @@ from .errors import (BadSetting, ConstraintError, ContextFull, EmptyPrompt, Engi
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__",
+__all__ = ["load", "Model", "LoadSettings", "SamplingParams", "configure_process",
+           "ProcessConfig", "__version__",
            "BadSetting", "ConstraintError", "ContextFull", "EmptyPrompt", "EngineError",
            "FetchError", "GGUFError", "GrammarError", "KVPoolFull", "LocalLLMError",
            "ModelFileError", "NotEnoughMemory", "PromptTooLong", "SequenceError",
@@ -17,7 +18,7 @@ __all__ = ["load", "Model", "LoadSettings", "SamplingParams", "__version__",
 def __getattr__(name):
     # Imported on first use so that light commands (fetching, listing) skip the kernels;
     # the errors module imports nothing, so it comes at once.
-    if name in ("load", "Model", "LoadSettings"):
+    if name in ("load", "Model", "LoadSettings", "configure_process", "ProcessConfig"):
         from . import api
         return getattr(api, name)
     if name == "SamplingParams":

@@ -37,6 +37,7 @@ from localllm.models.common import WeightLoader, check_blocks
 from localllm.runtime import warm
 from localllm.runtime.placement import (MemoryPlan, PlanRequest, make_gpu_backend, parse_gpu_layers,
                                         plan_memory, resolve_backend)
+from localllm.runtime.process import ProcessConfig, configure_process
 from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, StepItem, check_tokens
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
@@ -48,8 +49,8 @@ DEFAULT_CTX = 4096
 KV_TYPES = ("f16", "bf16", "q8_0", "q4_0", "fp8")
 # Default pool: room for this many full contexts (one request's, plus cached prefixes).
 
-__all__ = ["EngineError", "Generation", "KVStats", "LoadSettings", "Model", "Sequence",
-           "StepItem", "load"]
+__all__ = ["EngineError", "Generation", "KVStats", "LoadSettings", "Model", "ProcessConfig",
+           "Sequence", "StepItem", "configure_process", "load"]
 
 
 @dataclass
@@ -105,7 +106,7 @@ def physical_cores() -> int:
 def _make_cpu_backend(settings: LoadSettings) -> CpuBackend:
     from localllm.backends.cpu import CpuBackend
     cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
-    return CpuBackend(threads=settings.threads or physical_cores(), weight_cache=cache)
+    return CpuBackend(weight_cache=cache)
 
 
 def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:
@@ -190,6 +191,8 @@ class Model:
     def __init__(self, path: str | os.PathLike, settings: LoadSettings | None = None):
         t0 = time.perf_counter()
         self.settings = s = settings or LoadSettings()
+        # Before any kernel runs (this process's threads, allocator and kernel cache).
+        configure_process(threads=s.threads or physical_cores())
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         meta = self.file.metadata
@@ -546,6 +549,8 @@ def compile_block(path: str) -> int:
     Returns:
         The process exit status (0: built).
     """
+    configure_process(threads=1)
+
     def score():
         m = load(path, threads=1, ctx_size=64)
         m.logits([0, 1])
@@ -554,7 +559,8 @@ def compile_block(path: str) -> int:
 
 
 def load(path_or_name: str | os.PathLike | None = None, **settings) -> Model:
-    """Load a GGUF model by path or known name (fetched and cached on first use).
+    """Load a GGUF model by path or known name (fetched and cached on first use). The process
+    is configured first (``configure_process``: kernel threads, allocator, kernel cache).
 
     Args:
         path_or_name: a .gguf path, a known model name (see ``llm list``), or None for the

@@ -386,8 +386,8 @@ def main(argv=None) -> int:
     if llama_python is None:
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
         llama_python = sys.executable if probe.returncode == 0 else None
-    from localllm.kernels import simd
-    report = {"machine": {"cpu": _cpu_name(), "kernel_path": simd.ISA, "threads": args.threads,
+    import localllm
+    report = {"machine": {"cpu": _cpu_name(), "kernel_path": localllm.configure_process().isa, "threads": args.threads,
                           "python": platform.python_version(), "os": platform.platform()},
               "models": {}}
     if args.bandwidth:

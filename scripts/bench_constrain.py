@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from localllm import configure_process
 from localllm.generation.constrain import TokenConstraint, TokenVocab
 from localllm.formats.fetch import fetch
 from localllm.formats.gguf import GGUFFile
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
     args = ap.parse_args()
+    configure_process()  # the walker's kernel cache
     print(f"CPU: {cpu_name()}; one thread (the walker is sequential Numba code)")
     for name in args.models:
         bench(name, args.repeat)

@@ -209,9 +209,9 @@ def main(argv=None) -> int:
     import numba
     import llvmlite.binding as llvm
 
+    import localllm
     from localllm.formats import quants
     from localllm.kernels import matmul as M
-    from localllm.kernels import simd
 
     formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in quants.SUPPORTED_TYPES]
@@ -221,9 +221,9 @@ def main(argv=None) -> int:
     if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
         raise SystemExit(f"--threads must be 1..{numba.config.NUMBA_NUM_THREADS} "
                          "(raise NUMBA_NUM_THREADS for more)")
-    numba.set_num_threads(args.threads)
+    cfg = localllm.configure_process(threads=args.threads)
 
-    meta = {"cpu": cpu_model(), "llvm_cpu": llvm.get_host_cpu_name(), "isa": simd.ISA,
+    meta = {"cpu": cpu_model(), "llvm_cpu": llvm.get_host_cpu_name(), "isa": cfg.isa,
             "threads": args.threads, "numba": numba.__version__, "cores": os.cpu_count(),
             "prefill_tokens": PREFILL_TOKENS, "cold_mb": args.cold_mb if args.cold else None,
             "load_before": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}

@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    from localllm.kernels.simd import ISA
+    import localllm
+    ISA = localllm.configure_process().isa  # what this host's kernels compile for
     from bench import _cpu_name
     out["machine"] = {"cpu": _cpu_name(), "isa": ISA, "threads": args.threads,
                       "model": args.model, "url": args.url}

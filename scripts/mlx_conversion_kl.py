@@ -76,6 +76,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    import localllm
+    localllm.configure_process()  # before the model runs any kernel
     from localllm.backends import mlx_quant
     from localllm.backends.mlx import MlxBackend
     from localllm.backends.torch import TorchBackend

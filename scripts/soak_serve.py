@@ -153,7 +153,8 @@ def main(argv=None) -> int:
         rss1 = rss_mb(server.proc.pid)
     finally:
         server.stop()
-    from localllm.kernels.simd import ISA
+    import localllm
+    ISA = localllm.configure_process().isa  # what this host's kernels compile for
     from bench import _cpu_name
     done = tally.whole + tally.cut + len(tally.errors)
     print(f"{_cpu_name()}, kernels {ISA}, {args.threads} threads, {args.model}, "

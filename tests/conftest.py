@@ -1,8 +1,12 @@
-"""Shared fixtures: the two real models, fetched once into the user cache."""
+"""Shared fixtures: the two real models, fetched once into the user cache. The test process
+is configured as load() and the CLI configure theirs, before any test compiles a kernel."""
 
 import pytest
 
+from localllm import configure_process
 from localllm.formats.fetch import fetch
+
+configure_process()  # the kernel cache, compile target, allocator; Numba's thread count stays
 
 
 @pytest.fixture(scope="session")

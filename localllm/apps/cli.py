@@ -293,6 +293,13 @@ class _CompileLine:
         sys.stderr.flush()
 
 
+def _configure(threads: int) -> None:
+    """Set the process up for the kernels (threads, allocator, kernel cache) before anything
+    runs them; 0 threads: the physical cores, as ``load`` takes it."""
+    from localllm.api import configure_process, physical_cores
+    configure_process(threads=threads or physical_cores())
+
+
 def cmd_run(args) -> int:
     from localllm.api import load
     prompt = _read_prompt(args)
@@ -300,6 +307,7 @@ def cmd_run(args) -> int:
     from localllm.generation.sampling import SamplingParams
     SamplingParams(**sampling).validate()
     settings = _model_settings(args) | _speculative_settings(args)
+    _configure(settings["threads"])
     t0 = time.perf_counter()
     model = load(args.model, **settings, compile_progress=_CompileLine())
     load_s = time.perf_counter() - t0
@@ -367,6 +375,7 @@ def cmd_perplexity(args) -> int:
     settings = _model_settings(args)
     if not args.ctx_size:
         settings["ctx_size"] = 512  # llama.cpp's perplexity default
+    _configure(settings["threads"])
     model = load(args.model, **settings)
     compare = [model.with_kv(args.kv_compare, args.kv_compare)] if args.kv_compare else []
     if compare and (model.kv.k_type, model.kv.v_type) != ("f16", "f16"):
@@ -406,13 +415,14 @@ def cmd_serve(args) -> int:
     sampling = _sampling(args)
     SamplingParams(**sampling).validate()
     key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+    model_settings = _model_settings(args) | _speculative_settings(args)
+    _configure(model_settings["threads"])
     return serve(ServerSettings(
         model=args.model, host=args.host, port=args.port, api_key=key,
         allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
-        load=_model_settings(args) | _speculative_settings(args),
-        sampling=sampling, verbose=args.verbose))
+        load=model_settings, sampling=sampling, verbose=args.verbose))
 
 
 # ----------------------------------------------------------------------------- chat
@@ -430,8 +440,9 @@ def cmd_chat(args) -> int:
     SamplingParams(**sampling).validate()
     if args.n_predict < 0:
         sampling["max_tokens"] = -1   # until end of text or a full context
-    return run_chat(args.model, _model_settings(args) | _speculative_settings(args), sampling,
-                    args.system, args.resume)
+    settings = _model_settings(args) | _speculative_settings(args)
+    _configure(settings["threads"])
+    return run_chat(args.model, settings, sampling, args.system, args.resume)
 
 
 # ----------------------------------------------------------------------------- pull / list / inspect
@@ -441,6 +452,7 @@ def cmd_pull(args) -> int:
     from localllm.formats.fetch import fetch
     path = fetch(args.name, args.models_dir)
     # Build its kernels and repacked weights now, so that its first run starts at once.
+    _configure(0)
     load(path, models_dir=args.models_dir, compile_progress=_CompileLine()).close()
     print(path)
     return 0
@@ -488,6 +500,7 @@ def cmd_inspect(args) -> int:
                                 ctk=args.cache_type_k, ctv=args.cache_type_v,
                                 backend=args.backend, gpu_layers=_gpu_layers(args.gpu_layers),
                                 models_dir=args.models_dir)
+        _configure(0)  # the plan packs a tile of each format to measure it
         with GGUFFile(path) as f:
             print(f"{path.name}:\n{plan_model(f, settings)[0].format()}")
         return 0

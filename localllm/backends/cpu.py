@@ -6,10 +6,8 @@ token's result does not depend on the other tokens computed with it.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-import platform
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -60,14 +58,6 @@ def _block_args(w, spec) -> tuple:
         raise ValueError(f"unknown activation {spec.activation}")
     return weights, cfg
 
-# A decode step runs many short parallel regions: OpenMP workers that sleep between them
-# cost ~70 us each to wake, so they spin a while first (~2 us per region when the cores are
-# free). Spinning without limit (OMP_WAIT_POLICY=ACTIVE) stalls badly when another process
-# holds a core (~0.2-0.5 ms per region, measured); a bounded spin keeps that near 10 us.
-# Read by libgomp when Numba loads its OpenMP layer (the first parallel kernel call).
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
-
 
 @dataclass
 class Embedding:
@@ -103,48 +93,6 @@ def _lazy_bytes(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n]
 
 
-def set_threads(n: int) -> int:
-    """Set the kernels' thread count (clamped to what Numba started with); returns it."""
-    import numba
-    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(n)
-    return n
-
-
-# glibc's mallopt parameters (malloc.h), and the values keep_scratch_memory sets: the largest
-# mmap threshold glibc takes on 64-bit hosts, and what may stay free at the top of a heap.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 32 << 20
-_TRIM_THRESHOLD = 256 << 20
-
-
-def keep_scratch_memory(system: str | None = None) -> bool:
-    """Keep freed blocks of up to 32 MB in the process instead of unmapping them (glibc).
-
-    Every kernel call allocates its scratch (activations, attention scores) with malloc, and
-    glibc serves blocks above its mmap threshold (128 KB at first) from fresh mappings that it
-    unmaps on free: the next call faults every page in again, zeroed by the OS. A 256-token
-    prompt chunk of SmolLM2-135M took some 32,000 page faults that way, a third of its time on
-    a 2-core VM. With blocks up to 32 MB taken from the heap, and up to 256 MB free at a
-    heap's top kept rather than trimmed, the same chunk takes none. The peak of memory in use
-    is unchanged; what was freed stays mapped for the next call.
-
-    Returns:
-        Whether the allocator took the settings (False off glibc: macOS, musl).
-    """
-    if (system or platform.system()) != "Linux":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
-            and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
-
-
 class CpuBackend:
     """Backend on the host CPU."""
 
@@ -152,16 +100,14 @@ class CpuBackend:
     device = "cpu"
     copies_weights = True  # matrices are repacked, so the file's pages can be dropped
 
-    def __init__(self, threads: int | None = None, fused: bool = True,
-                 weight_cache: str | os.PathLike | None = None):
-        """Args:
-            threads: kernel threads (None: Numba's default).
+    def __init__(self, fused: bool = True, weight_cache: str | os.PathLike | None = None):
+        """The kernels' thread count and the allocator are the process's, set by
+        ``configure_process``.
+
+        Args:
             fused: run decoder blocks as one kernel call (same bits as op by op).
             weight_cache: directory for repacked-weight files reused across loads (None: off).
         """
-        if threads:
-            set_threads(threads)
-        keep_scratch_memory()
         self._rope = RopeTables()  # cos/sin per RopeSpec, grown as positions are seen
         self._blocks: dict[int, tuple] = {}
         self._weight_cache = weight_cache

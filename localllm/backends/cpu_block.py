@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 from numba.extending import overload
 
 from localllm.kernels import attention as attn_k
 from localllm.kernels import packing as P
 from localllm.kernels.actquant import act_buffers, quantize_q8_32_row, quantize_q8_256_row
+from localllm.kernels.jit import njit
 from localllm.kernels.matmul import matmul_tile
 from localllm.kernels.ops import add_row, glu, rms_norm_row, rope_row
 

@@ -21,14 +21,12 @@ import numpy as np
 
 from localllm.formats.filelock import abandoned, hold
 
-from localllm.kernels import CACHE_DIR as _KERNEL_HASH_DIR
 from localllm.kernels import matmul as mm
 from localllm.kernels import packing as P
+from localllm.kernels.jit import source_hash
 
 MAGIC = b"LLMPACK1"
 _ALIGN = 64
-# The kernel source hash covers packing.py: a layout change makes every stored file stale.
-_LAYOUT = os.path.basename(_KERNEL_HASH_DIR)
 _PART = ".part"  # a file being written; its writer holds an exclusive lock on it
 
 
@@ -40,7 +38,8 @@ def model_key(path: str | os.PathLike) -> str:
     """Identity of a GGUF file for the store: its size and first and last 64 KiB."""
     p = Path(path)
     size = p.stat().st_size
-    h = hashlib.sha256(f"{size}:{_LAYOUT}".encode())
+    # The kernel source hash covers packing.py: a layout change makes every stored file stale.
+    h = hashlib.sha256(f"{size}:{source_hash()}".encode())
     with open(p, "rb") as f:
         h.update(f.read(1 << 16))
         f.seek(max(0, size - (1 << 16)))

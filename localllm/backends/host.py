@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from localllm.kernels.jit import njit
 from localllm.kernels.kvpages import ROTATED, _q4_block, v_row_nbytes
 from localllm.kernels.ops import rope_tables
 

@@ -7,8 +7,9 @@ integers and differ only in summation order.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from .jit import njit
 from .rowmath import (q8_32_x1, q8_32_x2, q8_32_x4, q8_32_x8, q8_32_x16, q8_256_block,
                       rows_contiguous)
 

@@ -10,10 +10,11 @@ through it, for prompt chunks and decode alike.
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .attention_steps import KEYS_PER_BLOCK  # noqa: F401 (the cache layout, for callers)
 from .attention_steps import CHUNK, _scores, _softmax, _values, _weights
+from .jit import njit
 from .kvpages import (PAD, balance_block, group_nbytes, rotate_block, rotated, row_nbytes,
                       store_key, store_value)
 from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero

@@ -4,8 +4,8 @@ fixed order per output element (see attention.attend for the whole definition).
 """
 
 import numpy as np
-from numba import njit
 
+from .jit import njit
 from .kvpages import k_dim, k_scale, v_dims, v_el
 from .simd import vf_add, vf_load, vf_splat, vf_store, vf_sub, vf_zero
 from .vmath import (f32_exp2, f32_fma, vf_bcast, vf_exp2, vf_fma, vf_hmax, vf_hsum, vf_keep,

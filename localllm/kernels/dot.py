@@ -15,8 +15,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (ISA, VI, _I8, _I32, _V8I32, _V16I16, _V16I32, _V32I8, _V64I8, _byte_ptr, _call,
-                   _concat, _dpbusd, _halves, _splat, _typed_ptr)
+from .simd import (VI, _I8, _I32, _V8I32, _V16I16, _V16I32, _V32I8, _V64I8, _byte_ptr, _call,
+                   _concat, _dpbusd, _halves, _splat, _typed_ptr, isa)
 
 # Paths whose dot instructions take both operands signed: bytes above 127 go in as u - 128.
 _SIGNED_PATHS = ("avx2", "neon-dot")
@@ -134,7 +134,7 @@ def dot_intrinsic(n: int, max_value: int):
     def vi_dot(typingctx, ws, xq, xo, sc, xsum):
         has_sc = not isinstance(sc, types.NoneType)
         has_xsum = not isinstance(xsum, types.NoneType)
-        if int16_group(max_value) == 0 and ISA in _SIGNED_PATHS and not has_xsum:
+        if int16_group(max_value) == 0 and isa() in _SIGNED_PATHS and not has_xsum:
             raise TypeError("vi_dot: weight bytes above 127 need the activation sums")
 
         def cg(context, builder, sig, args):
@@ -144,13 +144,13 @@ def dot_intrinsic(n: int, max_value: int):
                 builder, builder.gep(base, [ir.Constant(ir.IntType(64), 4 * j)]), _I32), align=1),
                 _V16I32) for j in range(n)]
             scale = args[3] if has_sc else None
-            if ISA == "avx2":
+            if isa() == "avx2":
                 r = _avx2_dot(builder, w_list, x_list, scale, max_value)
             else:
-                r = (_neon_dot(builder, w_list, x_list, max_value) if ISA == "neon-dot"
+                r = (_neon_dot(builder, w_list, x_list, max_value) if isa() == "neon-dot"
                      else _chain_dot(builder, w_list, x_list))
                 r = builder.mul(r, scale) if has_sc else r
-            if ISA in _SIGNED_PATHS and int16_group(max_value) == 0:  # the 128 * sum(x) term
+            if isa() in _SIGNED_PATHS and int16_group(max_value) == 0:  # the 128 * sum(x) term
                 fix = builder.shl(args[4], _splat(builder, ir.Constant(_I32, 7), _V16I32))
                 r = builder.add(r, builder.mul(fix, scale) if has_sc else fix)
             return r

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 # Element kinds. CLS matches a character class lo..hi times (hi < 0: unbounded); REF calls a
 # rule once; REP calls a rule lo..hi times; END closes an alternative.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 
 
@@ -60,3 +61,13 @@ def compile_features(host_features: str, dotprod: bool) -> str | None:
     if not dotprod or "+dotprod" in host_features.split(","):
         return None
     return ",".join([f for f in host_features.split(",") if f and f != "-dotprod"] + ["+dotprod"])
+
+
+@functools.cache
+def llvm_host_features() -> str:
+    """LLVM's feature string for this host ('' where LLVM cannot detect them)."""
+    import llvmlite.binding as llvm
+    try:
+        return llvm.get_host_cpu_features().flatten()
+    except RuntimeError:  # no feature detection for this host in LLVM
+        return ""

@@ -25,9 +25,10 @@ from collections import namedtuple
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic, overload
 
+from .jit import njit
 from .simd import (VF, _F32, _I32, _V16I8, _V16I32, _V16F32, _byte_ptr, _splat, _typed_ptr,
                    vf_from_vi, vf_lane, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    store_u16, vi_and, vi_load_i8, vi_load_u8, vi_splat, vi_srl, vi_sub)

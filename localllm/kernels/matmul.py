@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 from numba.extending import overload
 
 from . import packing as P
 from .actquant import act_buffers, quantize_q8_32, quantize_q8_256
+from .jit import njit
 from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
                    vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load, vi_load_i8, vi_mul,
                    vi_sll, vi_store, vi_sub, vi_zero)

@@ -7,8 +7,9 @@ depend on how many rows are processed together or on the thread split.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from .jit import njit
 from .rowmath import (rows_contiguous, vd_hsum, vd_sqacc, vd_zero, vf_dup_hi, vf_dup_lo,
                       vf_gelu_tanh, vf_load_n, vf_neg_even, vf_silu, vf_store_n, vf_swap_pairs)
 from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_sub

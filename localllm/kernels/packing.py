@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from localllm.formats import quants
+
+from .jit import njit
 
 ROWS = 16  # rows per tile = int32 lanes of a 512-bit vector
 

@@ -6,10 +6,11 @@ All of it is IEEE arithmetic or integer work in portable IR, with identical bits
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
 
+from .jit import njit
 from .simd import (_F32, _I32, _MAGIC32, _MAGIC32_BITS, _V16F32, _V16I8, _V16I32, VF,
                    _byte_ptr, _call, _fmax, _fold_halves, _splat, _typed_ptr)
 

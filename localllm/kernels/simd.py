@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import platform
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic, models, register_model
+
+from .hostcpu import llvm_host_features
 
 _I8, _I16, _I32, _F32, _F16 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.HalfType()
 _V64I8 = ir.VectorType(_I8, 64)
@@ -32,10 +33,12 @@ _MAGIC32_BITS = 0x4B400000  # its bit pattern: the sum's bits minus this are tha
 
 
 def target_features() -> frozenset[str]:
-    """The CPU features Numba compiles for (its NUMBA_CPU_FEATURES setting, else the host's)."""
+    """The CPU features Numba compiles for (its NUMBA_CPU_FEATURES setting, else the host's),
+    read when asked: the kernels' code generators ask while a kernel compiles, after
+    ``configure_process`` may have set them."""
     feats = config.CPU_FEATURES
     if feats is None:
-        feats = llvm.get_host_cpu_features().flatten()
+        feats = llvm_host_features()
     return frozenset(f[1:] for f in feats.split(",") if f.startswith("+"))
 
 
@@ -59,9 +62,22 @@ def select_isa(features: frozenset[str] | None = None, machine: str | None = Non
     return "generic"
 
 
-ISA = select_isa()
-# Without F16C, LLVM lowers half->float to a runtime call the JIT does not provide.
-_HAS_F16C = "f16c" in target_features() or platform.machine().lower() in ("arm64", "aarch64")
+def isa() -> str:
+    """The dot-product path of the current compile target (see select_isa)."""
+    return select_isa()
+
+
+def has_f16c() -> bool:
+    """Whether the compile target converts halves in hardware: without F16C, LLVM lowers
+    half->float to a runtime call the JIT does not provide."""
+    return "f16c" in target_features() or platform.machine().lower() in ("arm64", "aarch64")
+
+
+def __getattr__(name: str):
+    # ``simd.ISA``, as reports and scripts name it: the path of the target as it is now.
+    if name == "ISA":
+        return isa()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class VecType(types.Type):
@@ -188,9 +204,9 @@ def _dpbusd_avx2(builder, acc, a, b):
 
 
 def _dpbusd(builder, acc, a, b):
-    if ISA == "avx512vnni":
+    if isa() == "avx512vnni":
         return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32] * 3, [acc, a, b])
-    if ISA == "avxvnni":
+    if isa() == "avxvnni":
         v8 = ir.VectorType(_I32, 8)
         alo, ahi = _halves(builder, a, 16)
         blo, bhi = _halves(builder, b, 16)
@@ -198,7 +214,7 @@ def _dpbusd(builder, acc, a, b):
         lo = _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8, [v8] * 3, [clo, alo, blo])
         hi = _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8, [v8] * 3, [chi, ahi, bhi])
         return _concat(builder, lo, hi, 16)
-    if ISA == "avx2":
+    if isa() == "avx2":
         return _dpbusd_avx2(builder, acc, a, b)
     return _dpbusd_generic(builder, acc, a, b)
 
@@ -283,7 +299,7 @@ def vf_load_f16(typingctx, arr, off):
     """16 IEEE half floats from byte offset ``off``, widened exactly to float32."""
     def cg(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
-        if _HAS_F16C:
+        if has_f16c():
             v = builder.load(_typed_ptr(builder, p, _V16F16), align=1)
             return builder.fpext(v, _V16F32)
         return _f16_bits_to_f32(builder, builder.load(_typed_ptr(builder, p, _V16I16), align=1))
@@ -404,7 +420,7 @@ def _dpbusd_narrow(builder, acc, a, b):
     """As _dpbusd, for ``a`` bytes of at most 64 and ``b`` bytes of at least -127: then each
     pair of products fits in int16, so AVX2's saturating vpmaddubsw is exact on the bytes as
     they are (two instructions per 256 bits instead of the sign trick's six)."""
-    if ISA != "avx2":
+    if isa() != "avx2":
         return _dpbusd(builder, acc, a, b)
     return _avx2_halves(builder, acc, a, b, lambda pa, pb: _avx2_pmadd(builder, pa, pb))
 
@@ -425,9 +441,9 @@ def vi_lut16(typingctx, table, idx):
     def cg(context, builder, sig, args):
         t8 = builder.bitcast(args[0], _V64I8)
         i8 = builder.bitcast(args[1], _V64I8)
-        if ISA == "avx512vnni":
+        if isa() == "avx512vnni":
             r = _call(builder, "llvm.x86.avx512.pshuf.b.512", _V64I8, [_V64I8, _V64I8], [t8, i8])
-        elif ISA in ("avxvnni", "avx2"):
+        elif isa() in ("avxvnni", "avx2"):
             v32 = ir.VectorType(_I8, 32)
             lo_idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
             hi_idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32, 64)))
@@ -438,7 +454,7 @@ def vi_lut16(typingctx, table, idx):
                 parts.append(_call(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32], [tt, ii]))
             r = builder.shuffle_vector(parts[0], parts[1],
                                        ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-        elif ISA == "neon-dot":  # tbl per 128 bits (indices 0..15 never reach its zero case)
+        elif isa() == "neon-dot":  # tbl per 128 bits (indices 0..15 never reach its zero case)
             parts = []
             for q in range(4):
                 sel = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * q, 16 * q + 16)))

@@ -7,11 +7,11 @@ type of the packed-weight namedtuple (``@overload`` on its class).
 
 from __future__ import annotations
 
-from numba import njit
 from numba.extending import overload
 
 from . import packing as P
 from .dot import dot_intrinsic
+from .jit import njit
 from .simd import prefetch, vi_and, vi_load, vi_lut16, vi_or, vi_sll, vi_splat, vi_srl
 
 M01 = 0x01010101

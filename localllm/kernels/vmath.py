@@ -9,9 +9,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (_HAS_F16C, _MAGIC32, _MAGIC32_BITS, VF, _byte_ptr, _f16_bits_to_f32, _F32,
+from .simd import (_MAGIC32, _MAGIC32_BITS, VF, _byte_ptr, _f16_bits_to_f32, _F32,
                    _fmax, _fold_halves, _I32, _splat, _typed_ptr, _V16F16, _V16F32, _V16I16,
-                   _V16I32)
+                   _V16I32, has_f16c)
 
 # 2**f on [-0.5, 0.5]: near-minimax degree-6 polynomial (relative error 2e-9 in exact
 # arithmetic, under 8e-8 evaluated in float32 with FMA). c0 = 1 so that exp2(0) == 1 exactly.
@@ -90,7 +90,7 @@ def vf_load_el(typingctx, arr, i):
         p, isz = _elem_ptr(context, builder, sig, args)
         if isz == 4:
             return builder.load(_typed_ptr(builder, p, _V16F32), align=1)
-        if _HAS_F16C:
+        if has_f16c():
             return builder.fpext(builder.load(_typed_ptr(builder, p, _V16F16), align=1), _V16F32)
         return _f16_bits_to_f32(builder, builder.load(_typed_ptr(builder, p, _V16I16), align=1))
     return VF(arr, i), cg
@@ -105,7 +105,7 @@ def f32_load_el(typingctx, arr, i):
         p, isz = _elem_ptr(context, builder, sig, args)
         if isz == 4:
             return builder.load(_typed_ptr(builder, p, _F32), align=1)
-        if _HAS_F16C:
+        if has_f16c():
             return builder.fpext(builder.load(_typed_ptr(builder, p, ir.HalfType()), align=1), _F32)
         h = _splat(builder, builder.load(_typed_ptr(builder, p, ir.IntType(16)), align=1), _V16I16)
         return builder.extract_element(_f16_bits_to_f32(builder, h), ir.Constant(_I32, 0))
@@ -222,7 +222,7 @@ def vf_store_f16(typingctx, arr, off, v):
 
 def _half_bits(builder, v):
     """A VF rounded to IEEE half (nearest-even), as 16 x i16 bits."""
-    if _HAS_F16C:
+    if has_f16c():
         return builder.bitcast(builder.fptrunc(v, _V16F16), _V16I16)
     return _f32_to_f16_bits(builder, v)
 

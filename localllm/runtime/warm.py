@@ -22,6 +22,8 @@ from typing import Callable
 
 import numpy as np
 
+from localllm.runtime.process import configure_process
+
 Progress = Callable[[int, int], None]  # (groups done, groups in all)
 
 # Rough single-core compile seconds per group (2-core Zen 5), to deal groups to workers.
@@ -72,7 +74,7 @@ def run_job(job: str) -> None:
     """Run one kernel group ('attention', 'ops' or 'matmul:Q4_K')."""
     kind, _, arg = job.partition(":")
     from localllm.backends.cpu import CpuBackend
-    be = CpuBackend(threads=1)
+    be = CpuBackend()
     if kind == "attention":
         _job_attention(be)
     elif kind == "ops":
@@ -91,19 +93,19 @@ def _target() -> str:
     from numba.core import config
 
     from localllm.kernels import simd
-    return f"{simd.ISA}|{config.CPU_NAME or llvm.get_host_cpu_name()}|" \
+    return f"{simd.isa()}|{config.CPU_NAME or llvm.get_host_cpu_name()}|" \
            f"{','.join(sorted(simd.target_features()))}"
 
 
 def _marker(job: str) -> Path:
     """The file that says a group is in the current kernel cache for this target."""
-    from localllm.kernels import CACHE_DIR
+    from localllm.kernels.jit import active_cache_dir
     key = job
     if job.startswith("block:"):
         from localllm.backends.cpu_store import model_key
         key = "block:" + model_key(job[len("block:"):])
     digest = hashlib.sha256(f"{key}|{_target()}".encode()).hexdigest()[:24]
-    return Path(CACHE_DIR) / "warm" / digest
+    return Path(active_cache_dir()) / "warm" / digest
 
 
 def _done(job: str) -> bool:
@@ -270,6 +272,7 @@ def main_for(job: str, run: Callable[[], None]) -> int:
 def main(jobs: list[str]) -> int:
     """Worker: run each group and mark it done, saying on stdout 'compiling' when it first
     compiles and 'done JOB' after each group."""
+    configure_process(threads=1)
     _announce_compiling()
     failed = sum(not _run_marked(job, lambda job=job: run_job(job)) for job in jobs)
     return 1 if failed else 0
@@ -277,5 +280,6 @@ def main(jobs: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--wait"]:  # python -m localllm.runtime.warm --wait MODEL.gguf
+        configure_process()  # names the kernel cache the block is marked in
         sys.exit(0 if wait_for_block(sys.argv[2]) else 1)
     sys.exit(main(sys.argv[1:]))

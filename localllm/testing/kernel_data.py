@@ -181,8 +181,10 @@ def isa_results() -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
+    from localllm import configure_process
     from localllm.kernels import simd
 
+    configure_process()  # compile into NUMBA_CACHE_DIR's kernel cache (or the default one)
     results = isa_results()
     np.savez(sys.argv[1], isa=np.array(simd.ISA), **results)
     print(simd.ISA)

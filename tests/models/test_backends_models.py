@@ -230,7 +230,7 @@ def test_auto_fits_as_many_layers_as_the_gpu_holds(smollm_path):
         def memory_info(self):
             return MemoryInfo("gpu:0", 0, 0)
 
-    cpu, gpu = CpuBackend(threads=2), SeparateGpu(threads=2)
+    cpu, gpu = CpuBackend(), SeparateGpu()
     with GGUFFile(smollm_path) as f:
         args = llama.ModelArgs.from_gguf(f.metadata)
 

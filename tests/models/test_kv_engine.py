@@ -269,8 +269,8 @@ def test_prompt_scratch_stays_mapped_between_calls(smollm):
     (some 32,000 faults for this chunk)."""
     import resource
 
-    from localllm.backends.cpu import keep_scratch_memory
-    m = smollm["f16"]  # its backend set the allocator up
+    from localllm.runtime.process import keep_scratch_memory
+    m = smollm["f16"]  # its load configured the allocator
     ids = fixture("smollm", "logits")["ids"]
     ids = (ids * (300 // len(ids) + 1))[:300]
     faults = []

@@ -582,4 +582,6 @@ def test_generic_target_gives_identical_bits(tmp_path):
 
 
 if __name__ == "__main__":
+    from localllm import configure_process
+    configure_process()  # compile into NUMBA_CACHE_DIR's kernel cache
     np.savez(sys.argv[1], isa=simd.ISA, **isa_workload())

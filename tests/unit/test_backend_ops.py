@@ -61,7 +61,7 @@ def be(request):
 
 @pytest.fixture(scope="module")
 def cpu():
-    return CpuBackend(threads=2)
+    return CpuBackend()
 
 
 def nmse(a, b) -> float:

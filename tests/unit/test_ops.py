@@ -420,6 +420,8 @@ def test_targets_give_identical_bits(isa_children, path):
 
 
 if __name__ == "__main__":
+    from localllm import configure_process
+    configure_process()  # compile into NUMBA_CACHE_DIR's kernel cache
     np.savez(sys.argv[1], **isa_results())
 
 
