@@ -15,45 +15,11 @@ from localllm.backends.cpu import CpuBackend
 from localllm.formats.dequant import dequantize
 from localllm.kernels import attention as attn
 from localllm.formats.quants import row_nbytes
+from support.backends import (TOL_ATTENTION, TOL_CONVERTED, TOL_FLOAT_OP, TOL_LINEAR, _backends,
+                              check, rnd, run)
 from support.kv_pages import Cache
 
 KV_TYPES = ("f16", "bf16", "fp8", "q8_0", "q4_0")
-# The CPU backend multiplies quantized weights by activations quantized to 8 bits (as
-# llama.cpp does); the others multiply float activations by exactly dequantized weights. 5e-4
-# is test-backend-ops' own bound for mul_mat.
-TOL_LINEAR = 5e-4
-# MLX re-quantizes these formats (mlx_quant.CONVERT_BITS); the bound is the conversion's
-# measured NMSE on these random weights with a margin of about 2x.
-TOL_CONVERTED = {"Q6_K": 3e-4, "Q3_K": 5e-4, "Q2_K": 6e-3, "IQ4_NL": 1e-3, "IQ4_XS": 1e-3}
-TOL_FLOAT_OP = 1e-12   # norms, RoPE, activations: the same float32 formulas (seen <= 2e-14)
-TOL_ATTENTION = 1e-11  # the same stored keys and values, float32 softmax (seen <= 1e-13)
-
-
-def _backends():
-    """The backends under test: each device build's CPU stand-in, and CUDA and Metal where
-    the machine has it (marked, so `-m cuda` selects it and it skips elsewhere)."""
-    try:
-        from localllm.backends.torch import TorchBackend, cuda_available
-        has_torch = True
-    except ImportError:
-        has_torch = False
-    try:
-        from localllm.backends.mlx import MlxBackend
-        has_mlx = True
-    except ImportError:
-        has_mlx = False
-    no_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
-    no_mlx = pytest.mark.skipif(not has_mlx, reason="mlx is not installed")
-    return [
-        pytest.param(lambda: TorchBackend(device="cpu", threads=2), id="torch", marks=no_torch),
-        pytest.param(lambda: TorchBackend(device="cuda"), id="torch-cuda",
-                     marks=[pytest.mark.cuda, no_torch, pytest.mark.skipif(
-                         not (has_torch and cuda_available()), reason="no CUDA device")]),
-        # MLX computes on its default device: Metal where present, else its CPU build.
-        pytest.param(lambda: MlxBackend(), id="mlx", marks=no_mlx),
-    ]
-
-
 @pytest.fixture(scope="module", params=_backends())
 def be(request):
     return request.param()
@@ -62,27 +28,6 @@ def be(request):
 @pytest.fixture(scope="module")
 def cpu():
     return CpuBackend()
-
-
-def nmse(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-300))
-
-
-def check(name, got, want, tol):
-    err = nmse(got, want)
-    print(f"{name}: NMSE {err:.3e} (max {tol:.0e})")
-    assert np.all(np.isfinite(got))
-    assert err <= tol, f"{name}: NMSE {err:.3e} > {tol:.0e}"
-
-
-def run(backend, fn, *arrays):
-    """fn(backend, *arrays on the backend) as numpy."""
-    return backend.to_numpy(fn(backend, *[backend.from_numpy(a) for a in arrays]))
-
-
-def rnd(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------- weights

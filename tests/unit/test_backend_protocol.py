@@ -16,8 +16,8 @@ from localllm.backends.base import Backend, KVBatch, KVLayout, MemoryInfo, RopeS
 from localllm.backends.cpu import CpuBackend
 from localllm.formats.gguf import GGUFFile
 from localllm.models.block import BlockSpec, BlockWeights, compose_block
-from test_backend_ops import (TOL_ATTENTION, TOL_CONVERTED, TOL_FLOAT_OP, TOL_LINEAR,
-                              _backends, check, rnd)
+from support.backends import (TOL_ATTENTION, TOL_CONVERTED, TOL_FLOAT_OP, TOL_LINEAR, _backends,
+                              check, rnd)
 
 ATTRIBUTES = typing.get_type_hints(Backend)          # name -> type
 METHODS = {n: f for n, f in vars(Backend).items() if inspect.isfunction(f)

@@ -18,7 +18,7 @@ from numba.core import config
 from localllm import configure_process
 from localllm.kernels import jit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 _X86_BASE = "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt,+sse4.2,+ssse3,+sse4.1"
 # What a parent process (this one, configured by conftest) may have put in the environment.
 _PROCESS_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "NUMBA_CACHE_DIR", "NUMBA_CPU_NAME",
