@@ -29,12 +29,12 @@ def _config_id(c):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm_path, gemma_path):
+def reference(smollm_model, gemma_model):
     """Per model: the CPU backend's passage logits and greedy continuations."""
     out = {}
-    for name, path in (("smollm", smollm_path), ("gemma", gemma_path)):
+    for name, model in (("smollm", smollm_model), ("gemma", gemma_model)):
         fx = json.loads((FIXTURES / f"{name}_logits.json").read_text())
-        m = localllm.load(path, ctx_size=1024, threads=2, backend="cpu")
+        m, path = model.with_kv("f16", "f16"), model.path  # the session's weights
         assert m.plan.gpu_layers == 0
         seqs = []
         for g in fx["greedy"][:GREEDY_PROMPTS]:
@@ -43,7 +43,6 @@ def reference(smollm_path, gemma_path):
             seqs.append((g["prompt_ids"], cont))
         out[name] = {"path": path, "ids": fx["ids"], "logits": m.logits(fx["ids"]),
                      "greedy": seqs}
-        m.close()
     return out
 
 

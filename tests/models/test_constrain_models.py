@@ -16,8 +16,8 @@ ASK = [{"role": "user", "content": "Describe a cat as a JSON object with a name,
 
 
 @pytest.fixture(scope="module")
-def smollm(smollm_path):
-    return localllm.load(smollm_path, ctx_size=1024, threads=2)
+def smollm(smollm_model):
+    return smollm_model.with_kv("f16", "f16")  # the session's weights, a cache of its own
 
 
 @pytest.fixture(scope="module")

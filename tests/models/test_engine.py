@@ -32,9 +32,9 @@ def load_fixture(name):
 
 
 @pytest.fixture(scope="module")
-def models(smollm_path, gemma_path):
-    return {"smollm": localllm.load(smollm_path, ctx_size=1024, threads=2),
-            "gemma": localllm.load(gemma_path, ctx_size=1024, threads=2)}
+def models(smollm_model, gemma_model):
+    return {"smollm": smollm_model.with_kv("f16", "f16"),  # the session's weights
+            "gemma": gemma_model.with_kv("f16", "f16")}
 
 
 @pytest.mark.parametrize("name", ["smollm", "gemma"])

@@ -25,14 +25,13 @@ def fixture(name, kind):
 
 
 @pytest.fixture(scope="module")
-def smollm(smollm_path):
-    return {t: localllm.load(smollm_path, ctx_size=1024, threads=2, ctk=t, ctv=t)
-            for t in TYPES}
+def smollm(smollm_model):
+    return {t: smollm_model.with_kv(t, t) for t in TYPES}  # the session's weights
 
 
 @pytest.fixture(scope="module")
-def gemma(gemma_path):
-    return localllm.load(gemma_path, ctx_size=4096, threads=2)
+def gemma(gemma_model):
+    return gemma_model.with_kv("f16", "f16")
 
 
 def bits(a):

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import localllm
 from localllm.backends.base import KVBatch
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "ops"
@@ -47,9 +46,9 @@ def llama_cpp_geglu(gate, up):
 
 
 @pytest.fixture(scope="module")
-def models(smollm_path, gemma_path):
-    return {"smollm": localllm.load(smollm_path, ctx_size=256, threads=2),
-            "gemma": localllm.load(gemma_path, ctx_size=256, threads=2)}
+def models(smollm_model, gemma_model):
+    return {"smollm": smollm_model.with_kv("f16", "f16"),  # the session's weights
+            "gemma": gemma_model.with_kv("f16", "f16")}
 
 
 def rms_rel(ours, ref):
