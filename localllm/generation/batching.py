@@ -80,8 +80,14 @@ class Batcher:
         return decoding + -(-chunk // bs) + len(prompts)
 
     def pending_tokens(self, req: Request) -> int:
-        """Tokens a request has waiting to run: the uncached prompt until it has been
-        processed, then the next token (and any drafted ones)."""
+        """Tokens a request has waiting to run.
+
+        Args:
+            req: one of this batcher's requests.
+        Returns:
+            The uncached prompt's length until it has been processed (chunks already run
+            included), then 1 for the next token, plus any drafted ones.
+        """
         return len(req.decoding.decoder.pending)
 
     def step(self) -> list[Request]:
