@@ -68,4 +68,4 @@ def test_cli_reports_progress_and_estimate(smollm_path, tmp_path):
                           "-f", str(text), "-c", "4096"], capture_output=True, text=True,
                          timeout=600)
     last = bad.stderr.strip().splitlines()[-1]
-    assert bad.returncode == 1 and last.startswith("error:") and "fewer" in last
+    assert bad.returncode == 2 and last.startswith("error:") and "fewer" in last  # a bad setting
