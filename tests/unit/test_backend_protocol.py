@@ -24,7 +24,7 @@ METHODS = {n: f for n, f in vars(Backend).items() if inspect.isfunction(f)
            and not n.startswith("_")}
 MEMBERS = set(ATTRIBUTES) | set(METHODS)
 
-BACKENDS = [pytest.param(lambda: CpuBackend(threads=2), id="cpu"), *_backends()]
+BACKENDS = [pytest.param(lambda: CpuBackend(), id="cpu"), *_backends()]
 VOCAB = 512                  # rows of the real embedding uploaded
 DIM, H, N_KV, HD = 640, 4, 1, 256   # Gemma 3 270M
 EPS = 1e-6
@@ -49,7 +49,7 @@ def be(request):
 
 @pytest.fixture(scope="module")
 def cpu():
-    return CpuBackend(threads=2)
+    return CpuBackend()
 
 
 @pytest.fixture(scope="module")

@@ -447,7 +447,7 @@ def test_compile_cache_keeps_current_and_recent_builds(tmp_path):
     import os
     import time
 
-    from localllm import kernels
+    from localllm.kernels import jit
     current = tmp_path / "0123456789abcdef"
     recent, stale = tmp_path / "1111111111111111", tmp_path / "2222222222222222"
     other = tmp_path / "not-a-build"
@@ -457,7 +457,7 @@ def test_compile_cache_keeps_current_and_recent_builds(tmp_path):
     old = time.time() - 40 * 86400
     for d in (current, stale, other):
         os.utime(d, (old, old))
-    kernels._prune(tmp_path, current)
+    jit._prune(tmp_path, current)
     assert current.exists() and recent.exists() and other.exists()
     assert not stale.exists()
     assert time.time() - current.stat().st_mtime < 3600  # marked as used
