@@ -569,6 +569,9 @@ def test_generic_target_gives_identical_bits(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
     env["NUMBA_CPU_NAME"] = "generic"
     env["NUMBA_CACHE_DIR"] = str(generic_cache_dir())
+    # Run as a script, this file finds tests/support/ through the path (as pytest finds it).
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, env.get("PYTHONPATH")]))
     out = tmp_path / "generic.npz"
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
