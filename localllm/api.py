@@ -24,16 +24,17 @@ import numpy as np
 
 from localllm.backends.base import Backend
 from localllm.errors import (BadSetting, EmptyPrompt, EngineError, LocalLLMError, PromptTooLong,
-                             SequenceError)
+                             SequenceError, UnsupportedModel)
 from localllm.formats import fetch
 from localllm.formats.gguf import GGUFFile
+from localllm.generation.embedding import check_pooling, run_embeddings
 from localllm.generation.decoder import (Chunk, Decoder, DecoderHooks, GenerationStats,
                                          run_generation)
 from localllm.generation.sampling import SamplingParams
 from localllm.generation.speculative import (MAX_DRAFT, LookupDrafter, ModelDrafter, Speculator,
                                              check_vocabularies)
 from localllm.models import build, module_for
-from localllm.models.common import WeightLoader, check_blocks
+from localllm.models.common import WeightLoader, check_blocks, pooling_type
 from localllm.runtime import warm
 from localllm.runtime.placement import (MemoryPlan, PlanRequest, make_gpu_backend, parse_gpu_layers,
                                         plan_memory, resolve_backend)
@@ -321,6 +322,79 @@ class Model:
         """
         return self._runner.step(items)
 
+    # ---- embeddings and ranking -------------------------------------------------------
+
+    @property
+    def pooling(self) -> str:
+        """How embed() pools by default: the file's {arch}.pooling_type, else mean for an
+        encoder and last for a decoder (whose last token has seen the whole input)."""
+        p = pooling_type(self.metadata, self.args.arch)
+        if p == "none":
+            return "last" if self.net.generates else "mean"
+        return p
+
+    def embed(self, inputs: Seq[str] | Seq[Seq[int]], pooling: str | None = None,
+              normalize: bool = True, add_special: bool = True) -> list[np.ndarray]:
+        """Embedding vectors of texts (or token id lists), batched across inputs into
+        forward passes of up to ``batch_size`` tokens (an input's vector is the same
+        whatever it is batched with).
+
+        Args:
+            inputs: texts, or token id lists.
+            pooling: none, mean, cls, last or rank; None: ``self.pooling``.
+            normalize: L2-normalise each vector (llama.cpp's default); rank scores never.
+            add_special: add BOS/EOS to texts as the tokenizer says.
+        Returns:
+            Per input: float32 (dim,); (n_tokens, dim) for "none"; rank scores for "rank".
+        Raises:
+            BadSetting: an unknown pooling; EmptyPrompt, PromptTooLong, TokenOutOfVocab:
+            an input without tokens, beyond the context, or with unknown ids.
+        """
+        p = check_pooling(pooling or self.pooling)
+        ids = [self.tokenize(x, add_special=add_special) if isinstance(x, str)
+               else [int(t) for t in x] for x in inputs]
+        for i, x in enumerate(ids):
+            if x:
+                check_tokens(x, self.vocab_size, f"input[{i}]")
+        budget = max(self.settings.batch_size, 512)
+        return run_embeddings(self._runner, self.net, ids, p, budget, self.ctx,
+                              self.new_sequence, normalize)
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """The tokens of one (query, document) pair as llama-server builds them: the file's
+        rerank template with {query} and {document}, else [BOS] query [EOS] [SEP] doc [EOS]
+        (each where the tokenizer adds it)."""
+        tok = self.tokenizer
+        template = self.metadata.get("tokenizer.chat_template.rerank")
+        if isinstance(template, str):
+            text = template.replace("{query}", query).replace("{document}", document)
+            return tok.encode(text, add_special=False, parse_special=True)
+        eos = tok.eos_id if tok.eos_id is not None else tok.special_id("sep")
+        ids = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+        ids += tok.encode(query, add_special=False)
+        if tok.add_eos and eos is not None:
+            ids.append(eos)
+        if tok.add_sep and tok.special_id("sep") is not None:
+            ids.append(tok.special_id("sep"))
+        ids += tok.encode(document, add_special=False)
+        if tok.add_eos and eos is not None:
+            ids.append(eos)
+        return ids
+
+    def rerank(self, query: str, documents: Seq[str]) -> list[float]:
+        """Relevance of each document to the query, by the model's classification head.
+
+        Returns:
+            One score per document, in order (higher is more relevant).
+        Raises:
+            UnsupportedModel: not a reranker (its pooling is not rank).
+        """
+        if self.pooling != "rank":
+            raise UnsupportedModel(f"this model pools by {self.pooling}, not rank: it is not a "
+                                   "reranker", param="model")
+        pairs = [self.rerank_tokens(query, d) for d in documents]
+        return [float(v[0]) for v in self.embed(pairs, pooling="rank")]
+
     # ---- scoring and generation -----------------------------------------------------
 
     def logits(self, ids: Seq[int]) -> np.ndarray:
@@ -405,6 +479,9 @@ class Model:
             TokenOutOfVocab: an id outside the vocabulary.
             PromptTooLong: no room left in the context for a reply.
         """
+        if not self.net.generates:
+            raise UnsupportedModel(f"{self.args.arch} is an embedding model; it does not "
+                                   "generate text", param="model")
         if not ids:
             raise EmptyPrompt("the prompt is empty", param=param)
         check_tokens(ids, self.vocab_size, param)
