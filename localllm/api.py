@@ -41,6 +41,7 @@ from localllm.runtime.placement import (MemoryPlan, PlanRequest, make_gpu_backen
 from localllm.runtime.process import ProcessConfig, configure_process
 from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, StepItem, check_tokens
 from localllm.text.chat_template import ChatTemplate
+from localllm.text.fim import ExtraFile, infill_tokens
 from localllm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -394,6 +395,24 @@ class Model:
                                    "reranker", param="model")
         pairs = [self.rerank_tokens(query, d) for d in documents]
         return [float(v[0]) for v in self.embed(pairs, pooling="rank")]
+
+    def infill_tokens(self, prefix: str | Seq[str | int], suffix: str | Seq[str | int],
+                      extra: Seq[ExtraFile] = (), prompt: str = "", n_predict: int = -1,
+                      spm: bool = False) -> list[int]:
+        """The fill-in-the-middle prompt of llama-server's /infill (text/fim.py): extra
+        files as repo-level context, then prefix, suffix and the middle token.
+
+        Args:
+            prefix, suffix: the text before and after the hole (or lists of texts and ids).
+            extra: ExtraFile(filename, text) context; prompt: the start of the middle.
+            n_predict: tokens the reply may take (-1: unbounded); spm: suffix first.
+        Returns:
+            Token ids to generate from.
+        Raises:
+            UnsupportedModel: the model has no FIM prefix, suffix or middle token.
+        """
+        return infill_tokens(self.tokenizer, prefix, suffix, extra, prompt, self.ctx,
+                             n_predict, spm=spm)
 
     # ---- scoring and generation -----------------------------------------------------
 

@@ -73,6 +73,35 @@ def reference(path: Path, pooling: str, inputs: list[list[int]]) -> list[np.ndar
     return out
 
 
+# An /infill request with repo-level context (a model with every FIM token).
+INFILL = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n",
+          "input_extra": [{"filename": "util.py", "text": "X = 1\n"},
+                          {"filename": "b.py", "text": "import os\n"}],
+          "prompt": "return"}
+
+
+def infill_reference(path: Path) -> list[int]:
+    """llama-server's format_prompt_infill for INFILL, its parts tokenized by llama.cpp:
+    [FIM_REP] "myproject\\n", per extra file [FIM_SEP] "name\\n" text, [FIM_SEP]
+    "filename\\n", then ([BOS]) [FIM_PRE] prefix prompt [FIM_SUF] suffix [FIM_MID] (PSM;
+    nothing cut at a 4096-token context: all parts are far under the default batch of
+    2048, and the extra context fits in what the context has beyond a batch)."""
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ids = se.FIM_IDS
+    enc = lambda t, special=False: llm.tokenize(t.encode(), add_bos=False, special=special)  # noqa: E731
+    out = [ids["fim_rep"]] + enc("myproject\n")
+    for e in INFILL["input_extra"]:
+        out += [ids["fim_sep"]] + enc(e["filename"] + "\n") + enc(e["text"])
+    out += [ids["fim_sep"]] + enc("filename\n")
+    assert llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(llm.model)) is False
+    assert llama_cpp.llama_vocab_fim_pre(llama_cpp.llama_model_get_vocab(llm.model)) == ids["fim_pre"]
+    out += [ids["fim_pre"]] + enc(INFILL["input_prefix"]) + enc(INFILL["prompt"], True)
+    out += [ids["fim_suf"]] + enc(INFILL["input_suffix"]) + [ids["fim_mid"]]
+    llm.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models-dir", default=None)
@@ -93,6 +122,10 @@ def main() -> None:
             np.savez_compressed(OUT / f"{case}.npz", vectors=np.stack(vecs).astype(np.float32),
                                 info=json.dumps(info))
             print(case, pooling, np.stack(vecs).shape)
+        fim = synthetic.write("llama3", Path(d) / "fim.gguf", se.with_fim_tokens(meta))
+        (OUT / "infill.json").write_text(json.dumps(
+            {"request": INFILL, "ids": infill_reference(fim)}, indent=1) + "\n")
+        print("infill", len(json.loads((OUT / "infill.json").read_text())["ids"]), "ids")
 
 
 if __name__ == "__main__":

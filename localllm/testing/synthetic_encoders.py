@@ -14,6 +14,10 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from .synthetic import _encode_float, _value_type
 
+# FIM tokens given to a decoder's SmolLM2 vocabulary for fill-in-the-middle tests: existing
+# special tokens (<gh_stars>, <issue_start>, ...) named as the prefix, suffix, ... tokens
+FIM_IDS = {"fim_pre": 7, "fim_suf": 8, "fim_mid": 9, "fim_pad": 10, "fim_rep": 3, "fim_sep": 5}
+
 # llama.cpp's {arch}.pooling_type numbers
 POOL_IDS = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
@@ -124,3 +128,12 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, spec: EncoderSpec |
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def with_fim_tokens(tokenizer_meta: dict) -> dict:
+    """A copy of a model's metadata whose tokenizer names FIM_IDS as its fill-in-the-middle
+    tokens (tokenizer.ggml.fim_*_token_id), for synthetic.write."""
+    meta = dict(tokenizer_meta)
+    for name, tid in FIM_IDS.items():
+        meta[f"tokenizer.ggml.{name}_token_id"] = tid
+    return meta

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from localllm import __version__
 from localllm.errors import TokenOutOfVocab
-from . import openai_api, responses_api
+from . import embeddings_api, openai_api, responses_api
 from .common import ServerState
 from .errors import APIError, api_error, error_body, install_handlers
 from .schemas import DetokenizeRequest, TokenizeRequest
@@ -40,6 +40,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
+    app.include_router(embeddings_api.router)
     _add_service_routes(app)
     s = state.settings
     hosts = HostAllowlist([*s.allow_hosts, s.host])

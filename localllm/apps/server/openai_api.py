@@ -128,6 +128,10 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = body.prompts()
     st.check_n(body.n * len(prompts))
     sampling = st.sampling(body, body.max_tokens, body.stop)
+    if body.suffix is not None:  # fill in the middle, as /infill builds it
+        suffix, n_predict = body.suffix, body.max_tokens or -1
+        prompts = await st.scheduler.call(lambda m: [
+            m.infill_tokens(p, suffix, n_predict=n_predict) for p in prompts])
     spec = GenerationSpec([Prompt(text=p, param="prompt") if isinstance(p, str)
                            else Prompt(ids=p, param="prompt") for p in prompts],
                           sampling, n=body.n, logprobs=body.logprobs is not None,

@@ -24,7 +24,6 @@ UNSUPPORTED = {
     "functions": "function calling is not supported by this server",
     "audio": "audio output is not supported by this server",
     "web_search_options": "web search is not supported by this server",
-    "suffix": "text insertion is not supported by this server",
     "background": "background responses are not supported by this server",
     "conversation": "stored conversations are not supported (use previous_response_id)",
     "prompt": "stored prompt templates are not supported by this server",
@@ -204,9 +203,7 @@ class CompletionRequest(ChatFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
-
-    _unsupported = field_validator("suffix")(_refuse)
+    suffix: str | None = None   # fill in the middle: the prompt is the prefix
 
     @model_validator(mode="after")
     def _meaning(self):
