@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from localllm.apps.cli_embed import add_embed_parser, cmd_embed
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
                              ModelFileError, NotEnoughMemory, TokenOutOfVocab)
 
@@ -154,9 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
     run.add_argument("--context-shift", action="store_true",
                      help="when the chat does not fit, drop its oldest turns (said on stderr)")
+    run.add_argument("--fim-prefix", default=None, metavar="TEXT",
+                     help="fill in the middle after this text (the prompt, if any, starts the "
+                          "middle; needs a model with FIM tokens)")
+    run.add_argument("--fim-suffix", default=None, metavar="TEXT",
+                     help="... and before this text")
     _add_model_options(run)
     _add_speculative_options(run)
     _add_sampling_options(run)
+    add_embed_parser(sub, _add_model_options)
 
     ppl = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp measures it")
     ppl.add_argument("model", nargs="?", default=None, help="GGUF path or known model name")
@@ -302,7 +309,8 @@ def _configure(threads: int) -> None:
 
 def cmd_run(args) -> int:
     from localllm.api import load
-    prompt = _read_prompt(args)
+    fim = args.fim_prefix is not None or args.fim_suffix is not None
+    prompt = _read_prompt(args) if not fim or args.prompt or args.file else ""
     sampling = _sampling(args)
     from localllm.generation.sampling import SamplingParams
     SamplingParams(**sampling).validate()
@@ -315,7 +323,10 @@ def cmd_run(args) -> int:
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
     chat = not args.raw and (model.template.from_file or args.chat_template is not None
                              or args.system is not None)
-    if not chat:
+    if fim:
+        stream = model.generate(model.infill_tokens(args.fim_prefix or "", args.fim_suffix or "",
+                                                    prompt=prompt), **sampling)
+    elif not chat:
         stream = model.generate(prompt, **sampling)
     else:
         messages = []
@@ -559,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve,
                "perplexity": cmd_perplexity, "pull": cmd_pull, "list": cmd_list,
-               "inspect": cmd_inspect}[args.command]
+               "inspect": cmd_inspect,
+               "embed": lambda a: cmd_embed(a, _model_settings(a))}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
