@@ -357,9 +357,11 @@ class Model:
         for i, x in enumerate(ids):
             if x:
                 check_tokens(x, self.vocab_size, f"input[{i}]")
-        budget = max(self.settings.batch_size, 512)
+        # Each pass reserves KV blocks for its tokens (an encoder's stay unwritten): at most
+        # the pool's size.
+        budget = min(max(self.settings.batch_size, 512), self._pool_tokens)
         return run_embeddings(self._runner, self.net, ids, p, budget, self.ctx,
-                              self.new_sequence, normalize)
+                              self.new_sequence, normalize, self.settings.kv_block_size)
 
     def rerank_tokens(self, query: str, document: str) -> list[int]:
         """The tokens of one (query, document) pair as llama-server builds them: the file's

@@ -7,6 +7,7 @@ the other. Prompt figures use the same token ids for both engines.
 
     python scripts/bench.py smollm2-135m gemma3-270m --threads 2
     python scripts/bench.py model.gguf --llama-python /path/to/venv/bin/python --json
+    python scripts/bench.py --embed --threads 2     (embedding throughput: bench_embed.py)
 """
 
 from __future__ import annotations
@@ -347,6 +348,11 @@ def format_table(name: str, ours: dict | None, ref: dict | None) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--embed" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_embed
+        return bench_embed.main([a for a in argv if a != "--embed"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--threads", type=int, default=2)

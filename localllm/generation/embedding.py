@@ -65,7 +65,7 @@ def l2_normalize(v: np.ndarray) -> np.ndarray:
 
 
 def run_embeddings(runner, net, inputs: Seq[Seq[int]], pooling: str, budget: int, ctx: int,
-                   new_sequence, normalize: bool = True) -> list[np.ndarray]:
+                   new_sequence, normalize: bool = True, block: int = 1) -> list[np.ndarray]:
     """Pooled (and normalised) vectors of token inputs.
 
     Args:
@@ -73,6 +73,7 @@ def run_embeddings(runner, net, inputs: Seq[Seq[int]], pooling: str, budget: int
         inputs: token ids per input; pooling: one of POOLINGS; budget: tokens per pass.
         ctx: the context size (longest input); new_sequence: makes a fresh Sequence.
         normalize: L2-normalise each vector (not rank scores).
+        block: tokens per KV block (each input takes whole blocks of the budget).
     Returns:
         Per input: float32 (dim,), (n_tokens, dim) for "none", (n_cls_out,) for "rank".
     Raises:
@@ -88,7 +89,7 @@ def run_embeddings(runner, net, inputs: Seq[Seq[int]], pooling: str, budget: int
     # A decoder reads only the rows it pools; an encoder's rows all come back (they are few).
     rows = "last" if pooling == "last" and net.generates else "all"
     out: list[np.ndarray] = [None] * len(inputs)  # type: ignore[list-item]
-    for group in batches([len(x) for x in inputs], budget):
+    for group in batches([-(-len(x) // block) * block for x in inputs], budget):
         seqs = [new_sequence() for _ in group]
         try:
             items = [StepItem(s, [int(t) for t in inputs[i]], rows) for s, i in zip(seqs, group)]
