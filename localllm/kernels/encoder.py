@@ -13,11 +13,11 @@ from numba import prange
 from .jit import njit
 from .rowmath import rows_contiguous, vf_gelu_tanh, vf_load_n, vf_store_n
 from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
-from .vmath import f32_exp2, vf_fma, vf_hsum
+from .vmath import f32_exp2, vf_fma
 
 LOG2E = 1.4426950408889634
 PAR_MIN_ROWS = 4          # rows below which a norm or an activation stays on one thread
-QUERY_TILE = 16           # query rows per attention work item
+QUERY_TILE = 32           # query rows per attention work item (sharing one key transpose)
 
 
 @njit(cache=True, inline="always")
@@ -112,61 +112,92 @@ def activation(x, out, kind):
 
 # ----------------------------------------------------------------------------- attention
 
+@njit(cache=True)
+def _transpose_keys(k, a, b, kvh, hd, kt):
+    """Keys a..b of KV head kvh as kt[d, j] (kt is (hd, >= b - a), zero past b - a)."""
+    L = b - a
+    kt[:, :] = 0.0
+    for j in range(L):
+        row = k[a + j]
+        for d in range(hd):
+            kt[d, j] = row[kvh * hd + d]
+
+
 @njit(cache=True, inline="always")
-def _dot(a, ao, b, bo, hd):
-    """Dot product of hd float32 at element offsets ao of a and bo of b: 16 lanes by fma in
-    order, then vf_hsum's fixed tree."""
-    acc = vf_zero()
-    d = 0
-    while d + 16 <= hd:
-        acc = vf_fma(vf_load(a, 4 * (ao + d)), vf_load(b, 4 * (bo + d)), acc)
-        d += 16
-    if d < hd:
-        acc = vf_fma(vf_load_n(a, 4 * (ao + d), hd - d), vf_load_n(b, 4 * (bo + d), hd - d), acc)
-    return vf_hsum(acc)
+def _lanes(n, c):
+    """Lanes of 16-wide chunk c of an n-wide span (0..16)."""
+    return min(16, max(0, n - 16 * c))
+
+
+@njit(cache=True, inline="always")
+def _scores(qf, qo, kt, hd, jb, sc, scores, so):
+    """Scores of one query (flat offset qo) against keys jb..jb+63 into scores[so + jb..]:
+    for each key the fma chain over d in order, times the scale."""
+    a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+    for d in range(hd):
+        x = vf_splat(qf[qo + d])
+        row = kt[d]
+        a0 = vf_fma(x, vf_load(row, 4 * jb), a0)
+        a1 = vf_fma(x, vf_load(row, 4 * (jb + 16)), a1)
+        a2 = vf_fma(x, vf_load(row, 4 * (jb + 32)), a2)
+        a3 = vf_fma(x, vf_load(row, 4 * (jb + 48)), a3)
+    vf_store(scores, 4 * (so + jb), vf_mul(a0, sc))
+    vf_store(scores, 4 * (so + jb + 16), vf_mul(a1, sc))
+    vf_store(scores, 4 * (so + jb + 32), vf_mul(a2, sc))
+    vf_store(scores, 4 * (so + jb + 48), vf_mul(a3, sc))
+
+
+@njit(cache=True, inline="always")
+def _softmax(scores, so, L):
+    """exp(s - max) of scores[so..so+L] in place (keys in order); returns 1 / their sum."""
+    m = -np.inf
+    for j in range(L):
+        if scores[so + j] > m:
+            m = scores[so + j]
+    total = np.float32(0.0)
+    for j in range(L):
+        p = f32_exp2(np.float32((scores[so + j] - m) * np.float32(LOG2E)))
+        scores[so + j] = p
+        total += p
+    return np.float32(1.0) / total
 
 
 @njit(cache=True)
-def _attend_rows(q, k, v, a, b, r0, r1, h, kvh, hd, scale, scores, acc, out):
+def _attend_rows(qf, qw, kt, vf, vw, a, b, r0, r1, h, kvh, hd, scale, scores, of):
     """Query rows r0..r1 (of the sequence spanning rows a..b) of head h against every key of
-    the sequence: softmax(q k^T * scale) v, keys in order."""
+    the sequence (kt: its keys transposed; qf, vf, of: flat q, v and out with row widths qw,
+    vw, qw): softmax(q k^T * scale) v. A score is the fma chain over d in order; each output
+    element the fma chain over keys in order. Queries go in pairs sharing each key and value
+    load (a row's arithmetic is the same alone or paired)."""
     L = b - a
-    for i in range(r0, r1):
-        qi = q[i]
-        m = -np.inf
-        for j in range(L):
-            s = np.float32(_dot(qi, h * hd, k[a + j], kvh * hd, hd) * scale)
-            scores[j] = s
-            if s > m:
-                m = s
-        total = np.float32(0.0)
-        for j in range(L):
-            p = f32_exp2(np.float32((scores[j] - m) * np.float32(LOG2E)))
-            scores[j] = p
-            total += p
-        for d in range(hd):
-            acc[d] = 0.0
-        for j in range(L):
-            pj = vf_splat(scores[j])
-            vj = v[a + j]
-            d = 0
-            while d + 16 <= hd:
-                vf_store(acc, 4 * d, vf_fma(pj, vf_load(vj, 4 * (kvh * hd + d)),
-                                            vf_load(acc, 4 * d)))
-                d += 16
-            if d < hd:
-                n = hd - d
-                vf_store_n(acc, 4 * d, vf_fma(pj, vf_load_n(vj, 4 * (kvh * hd + d), n),
-                                              vf_load_n(acc, 4 * d, n)), n)
-        inv = vf_splat(np.float32(1.0) / total)
-        oi = out[i]
-        d = 0
-        while d + 16 <= hd:
-            vf_store(oi, 4 * (h * hd + d), vf_mul(vf_load(acc, 4 * d), inv))
-            d += 16
-        if d < hd:
-            vf_store_n(oi, 4 * (h * hd + d), vf_mul(vf_load_n(acc, 4 * d, hd - d), inv),
-                       hd - d)
+    W = scores.shape[0] // 2
+    sc = vf_splat(scale)
+    for i in range(r0, r1, 2):
+        pair = i + 1 < r1
+        i2 = i + 1 if pair else i
+        for jb in range(0, L, 64):
+            _scores(qf, i * qw + h * hd, kt, hd, jb, sc, scores, 0)
+            _scores(qf, i2 * qw + h * hd, kt, hd, jb, sc, scores, W)
+        inv = vf_splat(_softmax(scores, 0, L))
+        inv2 = vf_splat(_softmax(scores, W, L))
+        for d in range(0, hd, 32):
+            n0, n1 = _lanes(hd - d, 0), _lanes(hd - d, 1)
+            a0, a1, b0, b1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+            for j in range(L):
+                x, y = vf_splat(scores[j]), vf_splat(scores[W + j])
+                vo = 4 * ((a + j) * vw + kvh * hd + d)
+                v0, v1 = vf_load_n(vf, vo, n0), vf_load_n(vf, vo + 64, n1)
+                a0 = vf_fma(x, v0, a0)
+                a1 = vf_fma(x, v1, a1)
+                b0 = vf_fma(y, v0, b0)
+                b1 = vf_fma(y, v1, b1)
+            oo = 4 * (i * qw + h * hd + d)
+            vf_store_n(of, oo, vf_mul(a0, inv), n0)
+            vf_store_n(of, oo + 64, vf_mul(a1, inv), n1)
+            if pair:
+                oo = 4 * (i2 * qw + h * hd + d)
+                vf_store_n(of, oo, vf_mul(b0, inv2), n0)
+                vf_store_n(of, oo + 64, vf_mul(b1, inv2), n1)
 
 
 @njit(cache=True, parallel=True)
@@ -197,6 +228,8 @@ def encoder_attention(q, k, v, starts, n_heads, n_kv, scale, out):
         counts[s + 1] = counts[s] + (L + QUERY_TILE - 1) // QUERY_TILE
     n_items = counts[n_seq] * n_heads
     group = n_heads // n_kv
+    width = (longest + 63) // 64 * 64
+    qf, vf, of = q.reshape(-1), v.reshape(-1), out.reshape(-1)
     for it in prange(n_items):
         h = it % n_heads
         tile = it // n_heads
@@ -204,7 +237,8 @@ def encoder_attention(q, k, v, starts, n_heads, n_kv, scale, out):
         a, b = starts[s], starts[s + 1]
         r0 = a + (tile - counts[s]) * QUERY_TILE
         r1 = min(r0 + QUERY_TILE, b)
-        scores = np.empty(longest, np.float32)
-        acc = np.empty(hd + 16, np.float32)
-        _attend_rows(q, k, v, a, b, r0, r1, h, h // group, hd, np.float32(scale), scores,
-                     acc, out)
+        kt = np.empty((hd, width), np.float32)
+        _transpose_keys(k, a, b, h // group, hd, kt)
+        scores = np.empty(2 * width, np.float32)
+        _attend_rows(qf, q.shape[1], kt, vf, v.shape[1], a, b, r0, r1, h, h // group, hd,
+                     np.float32(scale), scores, of)
