@@ -133,3 +133,22 @@ def test_encoders_refuse_to_generate_and_unknown_pooling(encoders):
         m.embed(["x"], pooling="max")
     with pytest.raises(UnsupportedModel, match="not a reranker"):
         m.rerank("q", ["d"])
+
+
+@pytest.mark.parametrize("backend,ngl", [("torch", "all"), ("torch", 1), ("mlx", "all")])
+@pytest.mark.parametrize("name", ["bert", "nomic_bert", "bert_rank"])
+def test_torch_and_mlx_backends_embed_as_the_cpu(encoder_files, encoders, backend, ngl, name):
+    """The encoder code is backend-generic: the torch and MLX backends (their CPU builds
+    standing in for CUDA and Metal), whole or split with the CPU, give the CPU's vectors."""
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog."]
+    want = np.stack(encoders[name].embed(texts, normalize=False))
+    with localllm.load(encoder_files[name], threads=2, ctx_size=512, backend=backend,
+                       gpu_layers=ngl) as m:
+        assert m.plan.gpu_layers == (2 if ngl == "all" else ngl)
+        got = np.stack(m.embed(texts, normalize=False))
+    if name == "bert_rank":
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+        return
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= COS_MIN, f"cosines {cos}"
