@@ -12,6 +12,7 @@ from typing import Any
 from localllm.backends.base import Backend, KVBatch
 
 from .block import BlockSpec, BlockWeights, run_block
+from .common import ModelError
 
 
 @dataclass
@@ -74,6 +75,5 @@ class Net:
         Raises:
             UnsupportedModel: the model has no classification head.
         """
-        from .common import ModelError
         raise ModelError(f"{self.args.arch} models have no classification head (cls tensors); "
                          "they cannot rank")

@@ -174,7 +174,10 @@ class Tokenizer:
         self._special_ids(meta, defaults)
         self.add_bos = bool(_key(meta, "add_bos_token", add_bos))
         self.add_eos = bool(_key(meta, "add_eos_token", False))
-        self.add_sep = bool(_key(meta, "add_sep_token", False))
+        # llama.cpp appends SEP to rerank pairs for these pre-tokenizers (and WordPiece)
+        sep_default = self.model == "bert" or self.pre in ("jina-v1-en", "jina-v2-code",
+                                                           "roberta-bpe")
+        self.add_sep = bool(_key(meta, "add_sep_token", sep_default))
         self._detect_by_text(meta)
         self._phi3_strip(meta)
         self._build_specials()
