@@ -152,3 +152,14 @@ def test_torch_and_mlx_backends_embed_as_the_cpu(encoder_files, encoders, backen
         return
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= COS_MIN, f"cosines {cos}"
+
+
+def test_inputs_beyond_the_context_or_empty_are_refused(encoders):
+    from localllm.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocab
+    m = encoders["bert"]
+    with pytest.raises(PromptTooLong):
+        m.embed([[5] * (m.ctx + 1)])
+    with pytest.raises(EmptyPrompt):
+        m.embed([[]])
+    with pytest.raises(TokenOutOfVocab):
+        m.embed([[m.vocab_size]])

@@ -164,3 +164,12 @@ def test_infill_and_suffix(files):
         c.close()
     finally:
         s.stop()
+
+
+def test_matryoshka_dimensions_cut_and_renormalise():
+    from localllm.apps.server.embeddings_api import APIError, _dimensions
+    v = [np.array([3.0, 4.0, 12.0], np.float32)]
+    np.testing.assert_allclose(_dimensions(v, 2, 3)[0], [0.6, 0.8], rtol=1e-6)
+    assert _dimensions(v, None, 3)[0] is v[0]
+    with pytest.raises(APIError):
+        _dimensions(v, 4, 3)
