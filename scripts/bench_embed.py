@@ -22,8 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_model(path: Path) -> Path:
-    """The BERT-base-shaped file (written once; same seed, same bytes)."""
+def make_model(path: Path, type_name: str = "F16") -> Path:
+    """The BERT-base-shaped file, matrices in ``type_name`` (written once; same seed, same
+    bytes)."""
     if path.exists():
         return path
     from localllm.formats import fetch
@@ -33,7 +34,7 @@ def make_model(path: Path) -> Path:
     meta = dict(f.metadata)
     f.close()
     tmp = path.with_suffix(".part")
-    se.write("bert_base", tmp, meta, spec=se.BERT_BASE)
+    se.write("bert_base", tmp, meta, spec=se.BERT_BASE, matrix_type=type_name)
     tmp.rename(path)
     return path
 
@@ -120,7 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128, help="about this many tokens per text")
     ap.add_argument("--batch", type=int, default=1024, help="tokens per forward pass")
-    ap.add_argument("--model", default="/tmp/localllm-bench/bert-base-f16.gguf")
+    ap.add_argument("--type", default="F16", help="GGML type of the weight matrices (F16, Q8_0, ...)")
+    ap.add_argument("--model", default=None,
+                    help="the encoder file (default: /tmp/localllm-bench/bert-base-TYPE.gguf)")
     ap.add_argument("--llama-python", default=sys.executable)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -131,13 +134,13 @@ def main(argv=None) -> int:
         fn = worker_localllm if args.worker == "localllm" else worker_llama
         print(json.dumps(fn(args.model, inputs, args.threads, args.batch)))
         return 0
-    path = Path(args.model)
+    path = Path(args.model or f"/tmp/localllm-bench/bert-base-{args.type.lower()}.gguf")
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
-    make_model(path)
+    make_model(path, args.type)
     inputs = make_inputs(args.texts, args.tokens, 49152)
     n_tokens = sum(map(len, inputs))
-    report = {"texts": args.texts, "tokens": n_tokens, "threads": args.threads,
+    report = {"texts": args.texts, "tokens": n_tokens, "threads": args.threads, "type": args.type,
               "batch": args.batch, "model": str(path)}
     for engine, py in (("localllm", sys.executable), ("llama_cpp", args.llama_python)):
         r = run_worker(py, "localllm" if engine == "localllm" else "llama", path, inputs,
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"embeddings: {args.texts} texts, {n_tokens} tokens, BERT-base shape (F16), "
+    print(f"embeddings: {args.texts} texts, {n_tokens} tokens, BERT-base shape ({args.type}), "
           f"{args.threads} threads, batches of {args.batch} tokens")
     for engine in ("localllm", "llama_cpp"):
         r = report[engine]

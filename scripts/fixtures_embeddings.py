@@ -36,7 +36,7 @@ DOCS = ["Paris is the capital and largest city of France.", "Bananas are yellow.
         "France's capital city is Paris, on the Seine."]
 # case -> (model file, pooling llama.cpp runs it with)
 CASES = {"bert": ("bert", "mean"), "bert_cls": ("bert_cls", "cls"),
-         "nomic_bert": ("nomic_bert", "mean"), "bert_rank": ("bert_rank", "rank"),
+         "nomic_bert": ("nomic_bert", "mean"), "bert_q8": ("bert_q8", "last"), "bert_rank": ("bert_rank", "rank"),
          "smollm_mean": ("smollm", "mean"), "smollm_last": ("smollm", "last")}
 
 

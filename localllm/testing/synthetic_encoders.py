@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import quants as gguf_quants
 
 from .synthetic import _encode_float, _value_type
 
@@ -40,6 +41,7 @@ SPECS = {
     "bert": EncoderSpec("bert", "mean"),
     "bert_cls": EncoderSpec("bert", "cls", matrix_type="F32"),
     "nomic_bert": EncoderSpec("nomic-bert", "mean"),
+    "bert_q8": EncoderSpec("bert", "last", matrix_type="Q8_0"),
     "bert_rank": EncoderSpec("bert", "rank", rank_head=True),
 }
 # BERT-base's shape (110M parameters with a 30k vocabulary), for benchmarks
@@ -120,6 +122,9 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, spec: EncoderSpec |
     for tname, values, type_name in _tensors(s, vocab, rng):
         if type_name == "F32":
             w.add_tensor(tname, values)
+        elif type_name not in ("F16", "BF16"):  # a quantized type: gguf's own quantizer
+            qtype = GGMLQuantizationType[type_name]
+            w.add_tensor(tname, gguf_quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(tname, _encode_float(values, type_name),
                          raw_dtype=GGMLQuantizationType[type_name])
