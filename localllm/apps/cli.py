@@ -230,6 +230,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="time a client has to send a request's head, and at most between "
                           "parts of its body (default 10)")
+    srv.add_argument("--reasoning-format", default="auto", choices=("none", "deepseek", "auto"),
+                     help="none: a model's reasoning stays in the content; deepseek, auto: "
+                          "it comes apart, as reasoning_content (default auto)")
     srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_model_options(srv)
     _add_speculative_options(srv)
@@ -422,7 +425,8 @@ def cmd_serve(args) -> int:
         allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
-        load=model_settings, sampling=sampling, verbose=args.verbose))
+        load=model_settings, sampling=sampling, reasoning_format=args.reasoning_format,
+        verbose=args.verbose))
 
 
 # ----------------------------------------------------------------------------- chat
