@@ -111,6 +111,7 @@ class Finished:
     index: int
     finish_reason: str
     usage: Usage
+    stop_sequence: str | None = None   # the stop string that ended it, if one did
 
 
 @dataclass
@@ -350,7 +351,18 @@ class JobRun:
                 s.generate_seconds) if s else ()
         self.metrics.record(RequestRecord(usage.prompt_tokens, usage.cached_tokens,
                                           usage.completion_tokens, ttft, tpot, *spec))
-        return events + [Finished(c.index, finish_reason, usage)]
+        return events + [Finished(c.index, finish_reason, usage, self._stop_string(c, s))]
+
+    def _stop_string(self, c: _Choice, s) -> str | None:
+        """The stop string that ended a choice: it ended 'stop' on a token that does not end
+        generation, and the first stop string in its tokens' text is the one matched."""
+        stops = c.sampling.get("stop") or []
+        if not stops or s is None or s.finish_reason != "stop" or not s.tokens \
+                or self.model.tokenizer.is_eog(s.tokens[-1]):
+            return None
+        text = self.model.detokenize(s.tokens)
+        found = [(text.find(x), x) for x in stops if x in text]
+        return min(found)[1] if found else None
 
     def _release(self, batcher, pin_seeds: bool) -> None:
         for g in self._groups:
