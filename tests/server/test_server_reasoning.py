@@ -121,3 +121,30 @@ def test_harmony_split_whole_and_streamed(harmony):
     assert r.choices[0].finish_reason == "stop"
     assert ask(harmony, stream=True, stop=STOP, max_tokens=64) == (
         "Five plus five is ten.", "10", "stop")
+
+
+# ----------------------------------------------------------------------------- responses
+
+def test_responses_reasoning_item_whole_and_streamed(think):
+    c = client_of(think)
+    # asked alone, greedy SmolLM2 answers inside the block the template opened, and ends
+    r = c.responses.create(model="smollm2-135m", input="What is 5+5?", max_output_tokens=30,
+                           reasoning={"effort": "low"})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    thought = r.output[0].content[0].text
+    assert thought.startswith("The answer is") and r.output_text == ""
+    assert r.reasoning.effort == "low"
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    events = list(c.responses.create(model="smollm2-135m", input="What is 5+5?",
+                                     max_output_tokens=30, reasoning={"effort": "low"},
+                                     stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") \
+        == thought
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.output_index, e.item.type) for e in done] == [(0, "reasoning"), (1, "message")]
+    assert kinds[-1] == "response.completed"
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))

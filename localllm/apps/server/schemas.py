@@ -291,6 +291,12 @@ class TextConfig(_Body):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(_Body):
+    """``reasoning`` of the Responses API: the effort goes to templates that read it."""
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(SamplingFields):
     model: str | None = None
     input: str | list[InputMessage]
@@ -300,6 +306,7 @@ class ResponsesRequest(SamplingFields):
     stream: bool = False
     store: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = None
     metadata: dict[str, str] | None = None

@@ -159,6 +159,12 @@ class ChatApp(App):
     async def action_interrupt(self) -> None:
         await self.input.interrupt()
 
+    def action_toggle_thinking(self) -> None:
+        """Show or fold the thinking of the focused reply."""
+        view = self.chat_view.focused_message()
+        if view is not None:
+            view.toggle_thinking()
+
     async def action_branch(self, delta: int) -> None:
         await self.input.branch(delta)
 

@@ -110,7 +110,7 @@ class MessageView(Vertical, can_focus=True):
         Binding(DEFAULT_KEYS["copy_code"], "app.copy_code", "Copy code", id="chat.copy_code"),
         Binding(DEFAULT_KEYS["edit"], "app.edit_message", "Edit", id="chat.edit"),
         Binding(DEFAULT_KEYS["regen"], "app.regen_message", "Regenerate", id="chat.regen"),
-        Binding(DEFAULT_KEYS["thinking"], "toggle_thinking", "Thinking", id="chat.thinking"),
+        Binding(DEFAULT_KEYS["thinking"], "app.toggle_thinking", "Thinking", id="chat.thinking"),
     ]
 
     def __init__(self, role: str, message: Message | None = None, text: str = ""):
@@ -164,7 +164,7 @@ class MessageView(Vertical, can_focus=True):
         self.reasoning_tokens, self._thinking_done = tokens, True
         self._show_thinking()
 
-    def action_toggle_thinking(self) -> None:
+    def toggle_thinking(self) -> None:
         """Show or fold the thinking."""
         self.thinking_open = not self.thinking_open
         self._show_thinking()
