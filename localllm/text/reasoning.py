@@ -193,11 +193,18 @@ class ReasoningSplitter:
 
     def _open(self, header: str) -> None:
         """Begin the body of a message with this header."""
+        header = header.strip()
+        if header.startswith(H_START):
+            header = header[len(H_START):]
         m = _H_RECIPIENT_RE.search(header)
         recipient = m.group(1) if m else None
         c = _H_CHANNEL_RE.search(header)
         channel = c.group(1) if c else "final"
-        if recipient and recipient != "assistant":
+        role = re.split(r"<\|| to=", header, maxsplit=1)[0].strip()
+        if role and role != "assistant" and not role.startswith("functions."):
+            # another role's turn (user, system): not the model's answer, dropped
+            self._kind, self._name = "hidden", None
+        elif recipient and recipient != "assistant":
             self._kind, self._name, self._call = "tool_call", recipient, ""
         else:
             self._kind = "reasoning" if channel == "analysis" else "content"
@@ -229,7 +236,9 @@ class ReasoningSplitter:
                 self._body_text(b[:at])
                 self._end_message()
                 self._buf = b[at + len(marker):]
-                self._state, self._header, self._pre = "header", "", 0
+                # a header begun by <|start|> is one, whatever its role
+                self._state, self._pre = "header", 0
+                self._header = H_START if marker == H_START else ""
                 continue
             keep = _partial_suffix(b, H_ENDS + (H_START,))
             self._body_text(b[:len(b) - keep])
@@ -239,12 +248,14 @@ class ReasoningSplitter:
     def _looks_like_header(self) -> bool:
         """Whether the header text from the output can still be the start of a header."""
         h = self._header[self._pre:].lstrip()
+        if h.startswith(H_START):
+            return True
         return not h or any(a.startswith(h) or h.startswith(a) for a in _H_HEADER_LEADS)
 
     def _body_text(self, text: str) -> None:
         if self._kind == "tool_call":
             self._call += text
-        else:
+        elif self._kind != "hidden":
             self._emit(self._kind, text)
 
     def _end_message(self) -> None:

@@ -114,6 +114,13 @@ def test_stop_sequences_and_max_tokens(client):
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 2
 
 
+def test_thinking_disabled_reaches_the_template(client):
+    # the template closes the block empty: no thinking, all of it is the answer
+    r = client.messages.create(model="smollm2-135m", max_tokens=40, messages=conversation(),
+                               thinking={"type": "disabled"})
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text
+
+
 def test_errors_in_anthropics_shape(server, client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="smollm2-135m", max_tokens=8, messages=conversation(),

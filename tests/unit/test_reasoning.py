@@ -118,6 +118,12 @@ def test_harmony_preamble_is_content_and_prompt_opened_channel():
     assert (got.reasoning, got.content) == ("hmm", "ok")
 
 
+def test_harmony_turns_of_other_roles_are_dropped():
+    text = HARMONY + "<|end|><|start|>user<|message|>Thanks!<|end|>"
+    assert every_cut_agrees(text, "harmony", "<|start|>assistant") == (
+        "User wants a sum. 2+2=4.", "2 + 2 = 4.", [])
+
+
 def test_harmony_without_markup_falls_back_to_content():
     assert every_cut_agrees("Just text.", "harmony", "<|start|>assistant") == ("", "Just text.", [])
     assert split_reasoning("", "harmony", "<|start|>assistant") == split_reasoning("")
