@@ -17,6 +17,7 @@ from typing import Callable
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
                              ModelFileError, NotEnoughMemory, TokenOutOfVocab)
 from localllm.text.reasoning import Part, ReasoningSplitter, style_of_template
+from .run_output import ReasoningOut, write_parts
 
 EXIT_ERROR = 1       # anything else that went wrong (a file that cannot be read, ...)
 EXIT_USAGE = 2       # a command line or a setting that makes no sense
@@ -330,7 +331,7 @@ def cmd_run(args) -> int:
         messages.append({"role": "user", "content": prompt})
         stream = model.chat(messages, context_shift=args.context_shift, **sampling)
     out = sys.stdout
-    shown = _ReasoningOut(sys.stderr, args.hide_reasoning)
+    shown = ReasoningOut(sys.stderr, args.hide_reasoning)
     splitter = None
     if chat:   # reasoning (<think>, harmony analysis) goes to stderr, the answer to stdout
         splitter = ReasoningSplitter(style_of_template(model.template.source),
@@ -341,9 +342,9 @@ def cmd_run(args) -> int:
             dropped = stream.stats.dropped_messages
             print(f"context shift: dropped the {dropped} oldest message(s) to fit the "
                   f"{model.ctx}-token context", file=sys.stderr)
-        _write_parts(splitter.feed(piece) if splitter else [Part("content", piece)], out, shown)
+        write_parts(splitter.feed(piece) if splitter else [Part("content", piece)], out, shown)
     if splitter is not None:
-        _write_parts(splitter.finish(), out, shown)
+        write_parts(splitter.finish(), out, shown)
     shown.end()
     out.write("\n")
     out.flush()
@@ -365,40 +366,6 @@ def cmd_run(args) -> int:
               f"({kv.blocks_total * kv.block_size * kv.bytes_per_token / mb:.0f} MB limit)\n"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
-
-
-class _ReasoningOut:
-    """Reasoning on stderr, dimmed where stderr is a terminal, ended by a line break."""
-
-    DIM, RESET = "\x1b[2m", "\x1b[0m"
-
-    def __init__(self, err, hide: bool):
-        self.err, self.hide, self.open = err, hide, False
-        self.tty = err.isatty()
-
-    def write(self, text: str) -> None:
-        if self.hide or not text:
-            return
-        self.open = True
-        self.err.write(f"{self.DIM}{text}{self.RESET}" if self.tty else text)
-        self.err.flush()
-
-    def end(self) -> None:
-        if self.open:
-            self.err.write("\n")
-            self.err.flush()
-            self.open = False
-
-
-def _write_parts(parts, out, shown: _ReasoningOut) -> None:
-    for p in parts:
-        if p.kind == "reasoning":
-            shown.write(p.text)
-            continue
-        shown.end()
-        # a harmony message to a function, as written (llm run has no tools to call)
-        out.write(p.text if p.kind == "content" else f"{p.name} {p.text}")
-        out.flush()
 
 
 def _speculation_line(s, model) -> str:
