@@ -17,6 +17,8 @@ from typing import Callable
 from localllm.apps.cli_embed import add_embed_parser, cmd_embed
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
                              ModelFileError, NotEnoughMemory, TokenOutOfVocab)
+from localllm.text.reasoning import Part, ReasoningSplitter, style_of_template
+from .run_output import ReasoningOut, write_parts
 
 EXIT_ERROR = 1       # anything else that went wrong (a file that cannot be read, ...)
 EXIT_USAGE = 2       # a command line or a setting that makes no sense
@@ -153,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no chat template: continue the text (the default for models whose "
                           "file has no chat template, unless --chat-template or --system)")
     run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
+    run.add_argument("--hide-reasoning", action="store_true",
+                     help="do not show a reasoning model's thinking (shown dimmed on stderr)")
     run.add_argument("--context-shift", action="store_true",
                      help="when the chat does not fit, drop its oldest turns (said on stderr)")
     run.add_argument("--fim-prefix", default=None, metavar="TEXT",
@@ -237,6 +241,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="time a client has to send a request's head, and at most between "
                           "parts of its body (default 10)")
+    srv.add_argument("--reasoning-format", default="auto", choices=("none", "deepseek", "auto"),
+                     help="none: a model's reasoning stays in the content; deepseek, auto: "
+                          "it comes apart, as reasoning_content (default auto)")
     srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_model_options(srv)
     _add_speculative_options(srv)
@@ -335,14 +342,21 @@ def cmd_run(args) -> int:
         messages.append({"role": "user", "content": prompt})
         stream = model.chat(messages, context_shift=args.context_shift, **sampling)
     out = sys.stdout
+    shown = ReasoningOut(sys.stderr, args.hide_reasoning)
+    splitter = None
+    if chat:   # reasoning (<think>, harmony analysis) goes to stderr, the answer to stdout
+        splitter = ReasoningSplitter(style_of_template(model.template.source),
+                                     model.render_chat(messages))
     dropped = 0
     for piece in stream:
         if stream.stats.dropped_messages > dropped:
             dropped = stream.stats.dropped_messages
             print(f"context shift: dropped the {dropped} oldest message(s) to fit the "
                   f"{model.ctx}-token context", file=sys.stderr)
-        out.write(piece)
-        out.flush()
+        write_parts(splitter.feed(piece) if splitter else [Part("content", piece)], out, shown)
+    if splitter is not None:
+        write_parts(splitter.finish(), out, shown)
+    shown.end()
     out.write("\n")
     out.flush()
     if args.verbose:
@@ -433,7 +447,8 @@ def cmd_serve(args) -> int:
         allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
-        load=model_settings, sampling=sampling, verbose=args.verbose))
+        load=model_settings, sampling=sampling, reasoning_format=args.reasoning_format,
+        verbose=args.verbose))
 
 
 # ----------------------------------------------------------------------------- chat

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from localllm import __version__
 from localllm.errors import TokenOutOfVocab
-from . import embeddings_api, openai_api, responses_api
+from . import anthropic_api, embeddings_api, openai_api, responses_api
 from .common import ServerState
 from .errors import APIError, api_error, error_body, install_handlers
 from .schemas import DetokenizeRequest, TokenizeRequest
@@ -41,6 +41,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(anthropic_api.router)
     _add_service_routes(app)
     s = state.settings
     hosts = HostAllowlist([*s.allow_hosts, s.host])
@@ -49,7 +50,8 @@ def create_app(state: ServerState) -> FastAPI:
     if s.cors_origins:  # off unless asked for: a web page must not reach the model by default
         app.add_middleware(CORSMiddleware, allow_origins=s.cors_origins,
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"])
     return app
 
 
