@@ -16,12 +16,14 @@ import numpy as np
 from localllm.errors import TokenizerError
 from localllm.text.tokenizer_bpe import (
     CHAR_TO_BYTE,
+    PRE_TYPES,
     BPEMerger,
     PreTokenizer,
     SPMMerger,
     byte_encode,
     family_of,
 )
+from localllm.text.tokenizer_wpm import WPMEncoder
 
 # GGUF token types (tokenizer.ggml.token_type)
 TYPE_UNDEFINED, TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL = 0, 1, 2, 3
@@ -148,31 +150,43 @@ class Tokenizer:
                     raise TokenizerError(f"token {i} ({self._text[i]!r}) has the byte type but "
                                          "is not spelled <0xHH>")
 
+        self._spm = self._wpm = False
+        self.escape_spaces, byte_encoded = False, True
         if self.model == "llama":
             self._spm = True
             defaults = {"bos": 1, "eos": 2, "unk": 0}
             self.add_space_prefix, self.clean_spaces, add_bos = True, False, True
             self.ignore_merges = False
             self.pre = str(_key(meta, "pre", "default"))
-        elif self.model == "gpt2":
-            self._spm = False
-            defaults = {"bos": 11, "eos": 11, "unk": None}
-            self.pre = str(_key(meta, "pre", ""))
+        elif self.model in ("gpt2", "gemma4"):
+            # gemma4 is BPE whose pre-tokenizer is fixed whatever `.pre` says.
+            defaults = {"bos": 11, "eos": 11, "unk": None} if self.model == "gpt2" else {}
+            self.pre = str(_key(meta, "pre", "")) if self.model == "gpt2" else "gemma4"
             try:
                 exprs, flags = family_of(self.pre)
             except KeyError:
                 raise TokenizerError(
-                    f"unsupported tokenizer.ggml.pre {self.pre!r} for a gpt2 tokenizer") from None
+                    f"unsupported tokenizer.ggml.pre {self.pre!r} for a gpt2 tokenizer "
+                    f"(supported: {', '.join(sorted(p for p in PRE_TYPES if p))})") from None
             self.add_space_prefix = False
             self.clean_spaces, self.ignore_merges = flags["clean_spaces"], flags["ignore_merges"]
+            self.escape_spaces, byte_encoded = flags["escape_spaces"], flags["byte_encode"]
             add_bos = bool(flags["add_bos"])
             self._pretok = PreTokenizer(exprs)
+        elif self.model == "bert":
+            self._wpm = True
+            defaults = {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103}
+            self.pre = str(_key(meta, "pre", "default"))
+            self.add_space_prefix, self.clean_spaces, add_bos = False, True, True
+            self.ignore_merges = False
         else:
             raise TokenizerError(f"unsupported tokenizer.ggml.model {self.model!r} "
-                                 "(supported: llama, gpt2)")
+                                 "(supported: llama, gpt2, gemma4, bert)")
         self.add_space_prefix = bool(_key(meta, "add_space_prefix", self.add_space_prefix))
         self._special_ids(meta, defaults)
         self.add_bos = bool(_key(meta, "add_bos_token", add_bos))
+        if self.pre == "gemma4" and not self._spm:
+            self.add_bos = True  # llama.cpp overrides a false add_bos_token for Gemma 4
         self.add_eos = bool(_key(meta, "add_eos_token", False))
         # llama.cpp appends SEP to rerank pairs for these pre-tokenizers (and WordPiece)
         sep_default = self.model == "bert" or self.pre in ("jina-v1-en", "jina-v2-code",
@@ -187,8 +201,14 @@ class Tokenizer:
                     if t[i] == "\u2581" and t[i - 1] != "\u2581"}
             self._spm_merger = SPMMerger(self._vocab, self._scores, self._spm_byte_token,
                                          "".join(glue))
+        elif self._wpm:
+            lowercase = bool(_key(meta, "normalizer.lowercase", True))  # llama.cpp default
+            self._wpm_encoder = WPMEncoder(
+                self._vocab, self.unk_id, lowercase,
+                bool(_key(meta, "normalizer.strip_accents", lowercase)))
         else:
-            self._bpe = BPEMerger(self._vocab, self._ranks(_key(meta, "merges")), self.ignore_merges)
+            self._bpe = BPEMerger(self._vocab, self._ranks(_key(meta, "merges")), self.ignore_merges,
+                                  byte_encoded=byte_encoded)
 
     # ------------------------------------------------------------------ loading
 
@@ -307,7 +327,7 @@ class Tokenizer:
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             return text.encode("utf-8")
         if attr & ATTR_NORMAL:
-            if self._spm:
+            if self._spm or self._wpm or self.escape_spaces:
                 return text.replace("\u2581", " ").encode("utf-8")
             out = bytearray()
             for c in text:
@@ -392,7 +412,8 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise TokenizerError(f"text is not encodable as UTF-8: {e}") from None
         out: list[int] = []
-        if add_special and self.add_bos:
+        # WordPiece: llama.cpp adds [CLS] ... [SEP] whenever special tokens are asked for
+        if add_special and (self.add_bos or self._wpm):
             if self.bos_id is None:
                 raise TokenizerError("the model asks for BOS but has no BOS token")
             out.append(self.bos_id)
@@ -406,15 +427,28 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 out.extend(self._spm_merger.encode(frag.replace(" ", "\u2581")))
+            elif self._wpm:
+                out.extend(self._wpm_encoder.encode(frag))
+            elif self.escape_spaces:
+                bpe = self._bpe
+                for word in self._pretok.split(frag.replace(" ", "\u2581")):
+                    # a run of newlines that is one token stays one (llama.cpp, Gemma 4)
+                    tid = self._vocab.get(word) if word[0] == "\n" else None
+                    out.extend([tid] if tid is not None else bpe.word_ids(word))
             else:
                 bpe = self._bpe
                 for word in self._pretok.split(frag):
                     out.extend(bpe.word_ids(byte_encode(word)))
             prev_special = False
-        if add_special and self.add_eos:
+        if add_special and self.add_eos and not self._wpm:
             if self.eos_id is None:
                 raise TokenizerError("the model asks for EOS but has no EOS token")
             out.append(self.eos_id)
+        if add_special and self._wpm:
+            sep = self._ids["sep"]
+            if sep is None:
+                raise TokenizerError("the model asks for SEP but has no SEP token")
+            out.append(sep)
         return out
 
     def _candidates(self, text: str, parse_special: bool) -> list[int]:

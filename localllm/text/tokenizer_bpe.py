@@ -110,6 +110,10 @@ _LLAMA3_TAIL = (
 )
 LLAMA3_SPLIT = re.compile(_LLAMA3_HEAD + rf"|[{_N}]{{1,3}}" + _LLAMA3_TAIL, re.DOTALL)
 QWEN2_SPLIT = re.compile(_LLAMA3_HEAD + rf"|[{_N}]" + _LLAMA3_TAIL, re.DOTALL)
+# Qwen 3.5: combining marks (stand-in \xd4) join letters and leave the punctuation runs.
+QWEN35_SPLIT = re.compile(
+    r"'(?:[sStTmMdD]|[rR][eE]|[vV][eE]|[lL][lL])" rf"|[^\r\n{_L}{_N}]?[{_L}\xd4]+|[{_N}]"
+    + _LLAMA3_TAIL.replace(f"[^{_W}{_L}{_N}]", f"[^{_W}{_L}\xd4{_N}]"), re.DOTALL)
 
 # llama.cpp's regex strings that it hands to its own scanners instead of std::regex.
 _GPT2_EXPR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -118,10 +122,30 @@ _LLAMA3_EXPR = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_EXPR = _LLAMA3_EXPR.replace(r"\p{N}{1,3}", r"\p{N}")
-_CUSTOM = {_GPT2_EXPR: GPT2_SPLIT, _LLAMA3_EXPR: LLAMA3_SPLIT, _QWEN2_EXPR: QWEN2_SPLIT}
+_QWEN35_EXPR = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+    r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TRAILING_SPACE_EXPR = r"\s+$"
+_CUSTOM = {_GPT2_EXPR: GPT2_SPLIT, _LLAMA3_EXPR: LLAMA3_SPLIT, _QWEN2_EXPR: QWEN2_SPLIT,
+           _QWEN35_EXPR: QWEN35_SPLIT}
 
 _DEFAULT_EXPRS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_EXPR, r"\p{N}+", r"[0-9][0-9][0-9]")
 _STARCODER_EXPRS = (r"\p{N}", _GPT2_EXPR)
+_FALCON_EXPRS = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_EXPR, r"[0-9][0-9][0-9]")
+# DeepSeek's regexes name code point ranges literally: llama.cpp matches them over the
+# text itself (non-ASCII whitespace folded to \v), not over the collapsed copy.
+_DEEPSEEK_LLM_EXPRS = (
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    _TRAILING_SPACE_EXPR,
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}+",
+)
+_DEEPSEEK_CODER_EXPRS = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[一-龥ࠀ-一가-퟿]+", "\\p{N}")
+# Gemma 4 is SentencePiece-like BPE over raw UTF-8: only newline runs are split off.
+_NEWLINES_EXPR = "[^\\n]+|[\\n]+"
 
 # tokenizer.ggml.pre -> (regexes, flags) for the byte-level BPE families supported.
 # Flags follow llama.cpp's loader: clean_spaces defaults to True for BPE vocabularies.
@@ -131,6 +155,12 @@ _FAMILIES = {
     "starcoder": (_STARCODER_EXPRS, {}),
     "llama3": ((_LLAMA3_EXPR,), {"ignore_merges": True, "add_bos": True}),
     "qwen2": ((_QWEN2_EXPR,), {"clean_spaces": False}),
+    "qwen35": ((_QWEN35_EXPR,), {"clean_spaces": False}),
+    "falcon": (_FALCON_EXPRS, {}),
+    "deepseek-llm": (_DEEPSEEK_LLM_EXPRS, {"clean_spaces": False}),
+    "deepseek-coder": (_DEEPSEEK_CODER_EXPRS, {"clean_spaces": False}),
+    "gemma4": ((_NEWLINES_EXPR,), {"escape_spaces": True, "byte_encode": False,
+                                   "add_bos": True}),
 }
 PRE_TYPES: dict[str, tuple[str, dict]] = {
     "default": ("default", {}),
@@ -148,27 +178,81 @@ PRE_TYPES: dict[str, tuple[str, dict]] = {
     **{n: ("qwen2", {}) for n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan",
                                   "solar-open", "grok-2")},
     **{n: ("qwen2", {"clean_spaces": True}) for n in ("megrez", "stablelm2")},
+    "qwen35": ("qwen35", {}),
+    "falcon": ("falcon", {}),
+    "deepseek-llm": ("deepseek-llm", {}),
+    "deepseek-coder": ("deepseek-coder", {}),
+    **{n: ("gemma4", {}) for n in ("gemma4", "granite-embed-multi-311m")},
 }
+
+
+def _fold_spaces(text: str) -> str:
+    """Returns: `text` with non-ASCII whitespace as \\v (what llama.cpp gives std::wregex)."""
+    if text.isascii():
+        return text
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    out = np.where((cps >= 128) & (class_table()[cps] == 8), 0x0B, cps)
+    return out.astype("<u4").tobytes().decode("utf-32-le")
+
+
+class _TrailingSpace:
+    """`\\s+$` (std::regex: `$` is the end of the piece): the piece's trailing whitespace
+    run. A regex would retry the run from each of its positions (quadratic)."""
+
+    _SPACE = frozenset(_W)
+
+    def finditer(self, text: str, start: int, end: int):
+        a = end
+        while a > start and text[a - 1] in self._SPACE:
+            a -= 1
+        return [_Span(a, end)] if a < end else []
+
+
+class _Span:
+    __slots__ = ("_span",)
+
+    def __init__(self, a: int, b: int):
+        self._span = (a, b)
+
+    def span(self) -> tuple[int, int]:
+        return self._span
+
+
+_UCATS = ("\\p{N}", "\\p{L}", "\\p{P}", "\\p{M}", "\\p{S}",
+          "\\p{Lu}", "\\p{Ll}", "\\p{Lt}", "\\p{Lm}", "\\p{Lo}")
 
 
 class PreTokenizer:
     """llama.cpp's `unicode_regex_split` for one `tokenizer.ggml.pre` value."""
 
     def __init__(self, exprs: Sequence[str]):
-        self.patterns = [(_CUSTOM.get(e) or re.compile(translate_regex(e), re.DOTALL), e in _CUSTOM)
-                         for e in exprs]
+        self.patterns = []  # (finder, covers the whole piece, runs over the collapsed text)
+        for e in exprs:
+            if e in _CUSTOM:
+                self.patterns.append((_CUSTOM[e], True, True))
+            elif e == _TRAILING_SPACE_EXPR:
+                self.patterns.append((_TrailingSpace(), False, False))
+            else:
+                collapsed = any(u in e for u in _UCATS)
+                if not collapsed:  # `$` is the end of the piece, as std::regex has it
+                    e = re.sub(r"(?<!\\)\$", r"\\Z", e)
+                self.patterns.append((re.compile(translate_regex(e), re.DOTALL), False, collapsed))
 
     def split(self, text: str) -> list[str]:
         """Returns: the words of `text`, in order, joining back to `text`."""
         if not text:
             return []
-        collapsed = collapse(text)
+        collapsed = folded = None
         bounds = [(0, len(text))]
-        for pattern, covering in self.patterns:
+        for pattern, covering, on_collapsed in self.patterns:
+            if on_collapsed:
+                subject = collapsed = collapse(text) if collapsed is None else collapsed
+            else:
+                subject = folded = _fold_spaces(text) if folded is None else folded
             nxt = []
             for start, end in bounds:
                 pos = start
-                for m in pattern.finditer(collapsed, start, end):
+                for m in pattern.finditer(subject, start, end):
                     a, b = m.span()
                     if a == b:
                         continue
@@ -186,7 +270,8 @@ def family_of(pre: str) -> tuple[tuple[str, ...], dict]:
     """Returns: (regexes, loader flags) for a `tokenizer.ggml.pre` value; KeyError if unknown."""
     fam, extra = PRE_TYPES[pre]
     exprs, flags = _FAMILIES[fam]
-    merged = {"clean_spaces": True, "ignore_merges": False, "add_bos": None, **flags, **extra}
+    merged = {"clean_spaces": True, "ignore_merges": False, "add_bos": None,
+              "escape_spaces": False, "byte_encode": True, **flags, **extra}
     return tuple(exprs), merged
 
 
@@ -240,10 +325,14 @@ class BPEMerger:
     """llama.cpp's byte-level BPE over one pre-tokenized word (llm_tokenizer_bpe_session)."""
 
     def __init__(self, vocab: Mapping[str, int], ranks: Mapping[tuple[str, str], int],
-                 ignore_merges: bool, cache_size: int = 1 << 16):
+                 ignore_merges: bool, cache_size: int = 1 << 16, byte_encoded: bool = True):
         self.vocab = vocab
         self.ranks = ranks
         self.ignore_merges = ignore_merges
+        # A symbol outside the vocabulary falls back to one token per UTF-8 byte: the byte
+        # as a one-character token (byte-level vocabularies) or "<0xHH>" (raw UTF-8 ones).
+        self._byte_text = ((lambda b: chr(b) if b < 0x80 else None) if byte_encoded
+                           else (lambda b: f"<0x{b:02X}>"))
         self._cache = _BoundedCache(cache_size)
 
     def word_ids(self, word: str) -> list[int]:
@@ -301,10 +390,11 @@ class BPEMerger:
             if tid is not None:
                 out.append(tid)
                 continue
-            # llama.cpp looks up every raw UTF-8 byte of the symbol as a one-byte token and
+            # llama.cpp looks up every raw UTF-8 byte of the symbol as a byte token and
             # drops the bytes that have none.
             for b in s.encode("utf-8"):
-                tid = vocab.get(chr(b)) if b < 0x80 else None
+                text = self._byte_text(b)
+                tid = vocab.get(text) if text is not None else None
                 if tid is not None:
                     out.append(tid)
         return out
