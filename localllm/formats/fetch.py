@@ -310,3 +310,147 @@ def resolve_model_path(name_or_path: str | os.PathLike | None,
     if c.is_file():
         return c
     raise FileNotFoundError(f"no such model file or known model name: {name_or_path}")
+
+
+# ------------------------------------------------------------------ llama.cpp's vocab suite
+
+@dataclass(frozen=True)
+class VocabSuite:
+    spec: str  # package==version of the source distribution that carries the files
+    filename: str
+    sha256: str
+    size: int
+    members: str  # directory inside the archive holding ggml-vocab-*.gguf{,.inp,.out}
+
+
+VOCAB_SUITE = VocabSuite(
+    spec="llama-cpp-python==0.3.36",
+    filename="llama_cpp_python-0.3.36.tar.gz",
+    sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    size=76_589_250,
+    members="llama_cpp_python-0.3.36/vendor/llama.cpp/models/",
+)
+_SUITE_MANIFEST = ".manifest"  # "name size" per extracted file, written last
+
+
+def vocab_suite_dir(override: str | os.PathLike | None = None) -> Path:
+    """Return the folder of llama.cpp's vocabulary test files (not created).
+
+    Args:
+        override: an explicit directory; wins over the environment.
+    Returns:
+        ``$LOCALLLM_VOCAB_SUITE``, else ``vocab-suite`` beside the model cache's default.
+    """
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get("LOCALLLM_VOCAB_SUITE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "localllm" / "vocab-suite"
+
+
+def _suite_member(name: str, suite: VocabSuite) -> str | None:
+    """Returns: the file name to extract a tar member as, or None to leave it out."""
+    if not name.startswith(suite.members):
+        return None
+    base = name[len(suite.members):]
+    if "/" in base or not base.startswith("ggml-vocab-"):
+        return None
+    return base if base.endswith((".gguf", ".gguf.inp", ".gguf.out")) else None
+
+
+def vocab_suite_complete(directory: str | os.PathLike | None = None) -> bool:
+    """Whether the folder holds a whole extraction (every file of its manifest, same size)."""
+    d = vocab_suite_dir(directory)
+    try:
+        lines = (d / _SUITE_MANIFEST).read_text().splitlines()
+    except OSError:
+        return False
+    if not lines or lines[0] != VOCAB_SUITE.sha256:
+        return False
+    for line in lines[1:]:
+        name, _, size = line.rpartition(" ")
+        try:
+            if (d / name).stat().st_size != int(size):
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def fetch_vocab_suite(directory: str | os.PathLike | None = None, quiet: bool = False,
+                      sdist: str | os.PathLike | None = None) -> Path:
+    """Make sure llama.cpp's vocabulary test files are extracted, and return their folder.
+
+    The source distribution is downloaded once with pip from the package index (or `sdist`,
+    a copy already on disk, is used), checked by sha256, and only the
+    ``models/ggml-vocab-*.gguf{,.inp,.out}`` files are extracted; a whole extraction is
+    kept, an incomplete one is redone.
+
+    Args:
+        directory: target folder override (see ``vocab_suite_dir``).
+        quiet: suppress pip's progress output.
+        sdist: the ``.tar.gz`` itself, instead of downloading it.
+    Returns:
+        the folder.
+    Raises:
+        FetchError: download failure, or an archive that is not the expected one.
+    """
+    import tarfile
+
+    suite = VOCAB_SUITE
+    target = vocab_suite_dir(directory)
+    if vocab_suite_complete(target):
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    _sweep_abandoned(target)
+    with tempfile.TemporaryDirectory(dir=target, prefix=".fetch-",
+                                     ignore_cleanup_errors=True) as tmp:
+        tmp_path = Path(tmp)
+        lock = open(tmp_path / ".lock", "wb")
+        hold(lock)
+        try:
+            archive = Path(sdist) if sdist is not None else _pip_download_sdist(suite, tmp_path, quiet)
+            size = archive.stat().st_size
+            digest = sha256_file(archive)
+            if digest != suite.sha256 or size != suite.size:
+                raise FetchError(f"checksum mismatch for {archive.name}: got {digest} ({size} "
+                                 f"bytes), expected {suite.sha256} ({suite.size} bytes)")
+            manifest = [suite.sha256]
+            with tarfile.open(archive, "r:gz") as tf:
+                for m in tf:
+                    name = _suite_member(m.name, suite)
+                    if name is None or not m.isfile():
+                        continue
+                    src = tf.extractfile(m)
+                    part = tmp_path / (name + ".partial")
+                    with src, open(part, "wb") as out:
+                        shutil.copyfileobj(src, out, 1 << 22)
+                    os.replace(part, target / name)
+                    manifest.append(f"{name} {m.size}")
+            if len(manifest) == 1:
+                raise FetchError(f"{archive.name} holds no {suite.members}ggml-vocab-* files")
+            (tmp_path / _SUITE_MANIFEST).write_text("\n".join(manifest) + "\n")
+            os.replace(tmp_path / _SUITE_MANIFEST, target / _SUITE_MANIFEST)
+        finally:
+            lock.close()
+    return target
+
+
+def _pip_download_sdist(suite: VocabSuite, dest: Path, quiet: bool) -> Path:
+    # pip prepares the distribution's metadata, fetching its build requirements.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--no-binary=:all:", "-d", str(dest), suite.spec]
+    if quiet:
+        cmd.insert(4, "-q")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or "").strip().splitlines()[-3:]
+        raise FetchError(f"could not download {suite.spec} (offline, or no package index "
+                         "reachable?): " + " | ".join(tail))
+    archive = dest / suite.filename
+    if not archive.is_file():
+        raise FetchError(f"pip download of {suite.spec} produced no {suite.filename}")
+    return archive

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from localllm.errors import TokenizerError
+from localllm.errors import TokenizerError, UnsupportedModel
 from localllm.text.tokenizer_bpe import (
     CHAR_TO_BYTE,
     PRE_TYPES,
@@ -66,6 +66,11 @@ _CLEAN_1 = re.compile(rb" (?=[?!.,])")
 _CLEAN_2 = re.compile(rb" ' ")
 _CLEAN_3 = re.compile(rb" (?='(?:[sm]|re|ve))")
 _BYTE_TEXT = re.compile("<0x[0-9A-Fa-f]{2}>")
+
+
+class UnsupportedTokenizer(UnsupportedModel, TokenizerError):
+    """A `tokenizer.ggml.model` or `.pre` this tokenizer does not implement: the model is
+    unsupported (UnsupportedModel), and it is a tokenizer's failure (TokenizerError)."""
 
 
 def _as_list(arr, n: int, conv) -> list:
@@ -165,7 +170,7 @@ class Tokenizer:
             try:
                 exprs, flags = family_of(self.pre)
             except KeyError:
-                raise TokenizerError(
+                raise UnsupportedTokenizer(
                     f"unsupported tokenizer.ggml.pre {self.pre!r} for a gpt2 tokenizer "
                     f"(supported: {', '.join(sorted(p for p in PRE_TYPES if p))})") from None
             self.add_space_prefix = False
@@ -180,7 +185,7 @@ class Tokenizer:
             self.add_space_prefix, self.clean_spaces, add_bos = False, True, True
             self.ignore_merges = False
         else:
-            raise TokenizerError(f"unsupported tokenizer.ggml.model {self.model!r} "
+            raise UnsupportedTokenizer(f"unsupported tokenizer.ggml.model {self.model!r} "
                                  "(supported: llama, gpt2, gemma4, bert)")
         self.add_space_prefix = bool(_key(meta, "add_space_prefix", self.add_space_prefix))
         self._special_ids(meta, defaults)
