@@ -11,7 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from localllm.formats.fetch import vocab_suite_dir
+from localllm.formats.gguf import GGUFFile
 from localllm.text.tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer, TokenizerError
+from localllm.text.tokenizer_bpe import PreTokenizer, family_of
 
 MODELS = ["smollm", "gemma"]
 HANG = 60.0  # a guard against a hang or a quadratic path, not a speed assertion
@@ -127,3 +130,53 @@ def test_many_distinct_special_tokens_are_linear(toks):
     ids, seconds = _timed(tok, text, parse_special=True)
     print(f"gemma: {len(special)} special tokens x20, {len(text)} chars: {seconds:.2f} s")
     assert seconds < HANG and len(ids) > 20 * len(special)
+
+
+# The pre-tokenizers and models added for llama.cpp's vocab suite: each splitter alone (no
+# vocabulary needed), and the two new encoders on the suite's own files.
+NEW_PRES = ["deepseek-llm", "deepseek-coder", "falcon", "qwen35", "gemma4"]
+_RUNS = ["a", " ", "\n", "1", "é", "中", "\u3000", "a ", ". ", " \u3000"]
+
+
+@pytest.mark.parametrize("pre", NEW_PRES)
+def test_new_splitters_on_100k_runs(pre):
+    # deepseek-llm's `\s+$` as a backtracking regex retried every run of spaces from each of
+    # its positions: quadratic (a 100k-space run before a letter never ends).
+    splitter = PreTokenizer(family_of(pre)[0])
+    for ch in _RUNS:
+        text = ch * 100_000 + "x"
+        t0 = time.perf_counter()
+        words = splitter.split(text)
+        seconds = time.perf_counter() - t0
+        print(f"{pre} {ch!r} x100k: {len(words)} words in {seconds:.2f} s")
+        assert "".join(words) == text and seconds < HANG
+
+
+@pytest.fixture(scope="module")
+def suite_toks():
+    d = vocab_suite_dir()
+    if not d.is_dir():
+        pytest.skip(f"llama.cpp's vocab suite is not in {d}: run "
+                    "`python scripts/fetch_models.py --vocab-suite`")
+    out = {}
+    for name in ("bert-bge", "gemma-4"):
+        with GGUFFile(d / f"ggml-vocab-{name}.gguf") as f:
+            out[name] = Tokenizer.from_metadata(f.metadata)
+    return out
+
+
+@pytest.mark.parametrize("model", ["bert-bge", "gemma-4"])
+def test_new_models_on_100k_runs(suite_toks, model):
+    tok = suite_toks[model]
+    for ch in _RUNS + ["🙂", "\u0301", "\x00"]:
+        ids, seconds = _timed(tok, ch * 100_000 + "x", parse_special=True)
+        print(f"{model} {ch!r} x100k: {len(ids)} ids in {seconds:.2f} s")
+        assert ids and seconds < HANG
+
+
+@pytest.mark.parametrize("model", ["bert-bge", "gemma-4"])
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(text=st.text(_every_code_point, max_size=200), parse_special=st.booleans())
+def test_new_models_on_any_unicode(suite_toks, model, text, parse_special):
+    _check(suite_toks[model], text, parse_special)
