@@ -5,7 +5,6 @@ vocabulary, special tokens, encoding, detokenization and streaming detokenizatio
 from __future__ import annotations
 
 import bisect
-import codecs
 import os
 import re
 from array import array
@@ -23,6 +22,7 @@ from localllm.text.tokenizer_bpe import (
     byte_encode,
     family_of,
 )
+from localllm.text.tokenizer_stream import StreamDecoder, clean_up_spaces
 from localllm.text.tokenizer_wpm import WPMEncoder
 
 # GGUF token types (tokenizer.ggml.token_type)
@@ -62,9 +62,6 @@ _EOG_TEXTS = frozenset((
 ))
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _C_SPACE = " \t\n\x0b\x0c\r"  # isspace() in the C locale
-_CLEAN_1 = re.compile(rb" (?=[?!.,])")
-_CLEAN_2 = re.compile(rb" ' ")
-_CLEAN_3 = re.compile(rb" (?='(?:[sm]|re|ve))")
 _BYTE_TEXT = re.compile("<0x[0-9A-Fa-f]{2}>")
 
 
@@ -544,8 +541,7 @@ class Tokenizer:
 
     @staticmethod
     def _clean(raw: bytes) -> bytes:
-        # llama.cpp's clean_up_tokenization_spaces: " ." -> ".", " ' " -> "'", " 's" -> "'s"
-        return _CLEAN_3.sub(b"", _CLEAN_2.sub(b"'", _CLEAN_1.sub(b"", raw)))
+        return clean_up_spaces(raw)
 
     def stream(self, skip_special: bool = False, continuation: bool = False,
                clean_spaces: bool = True) -> "StreamDecoder":
@@ -560,66 +556,6 @@ class Tokenizer:
                 cleans spaces (text produced under a grammar, checked byte for byte).
         """
         return StreamDecoder(self, skip_special, continuation, clean_spaces)
-
-
-class StreamDecoder:
-    """Incremental detokenization: `feed(id)` returns the text that is final so far.
-
-    Never emits half a UTF-8 character; a trailing EOS the model adds is held until the
-    next token (or dropped at `flush` with skip_special); with space cleaning, text is
-    held until the characters after it are known. `"".join(feeds) + flush()` equals
-    `Tokenizer.decode(all_ids, skip_special)`.
-    """
-
-    def __init__(self, tok: Tokenizer, skip_special: bool = False, continuation: bool = False,
-                 clean_spaces: bool = True):
-        self._tok = tok
-        self._clean = tok.clean_spaces and clean_spaces
-        self._skip = skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._first = not continuation
-        self._remove_space = tok.add_space_prefix and not continuation
-        self._held_eos = False
-        self._pending = b""  # raw bytes not yet through space cleaning
-
-    def feed(self, id: int) -> str:
-        """Add one token id. Returns: newly final text (possibly "")."""
-        tok = self._tok
-        out = b""
-        if self._held_eos:
-            self._held_eos = False
-            out += self._piece(tok.eos_id)
-        if self._first:
-            self._first = False
-            if self._skip and tok.add_bos and id == tok.bos_id:
-                self._remove_space = False
-                return ""
-        if self._skip and tok.add_eos and id == tok.eos_id:
-            self._held_eos = True
-        else:
-            out += self._piece(id)
-        return self._emit(out, final=False)
-
-    def flush(self) -> str:
-        """Returns: whatever is still held (an incomplete UTF-8 tail becomes U+FFFD)."""
-        self._held_eos = False  # a trailing EOS is dropped, as in one-shot decode
-        return self._emit(b"", final=True)
-
-    def _piece(self, id: int) -> bytes:
-        piece = self._tok.token_to_piece(id, not self._skip)
-        if self._remove_space:
-            self._remove_space = False
-            if piece[:1] == b" ":
-                piece = piece[1:]
-        return piece
-
-    def _emit(self, raw: bytes, final: bool) -> str:
-        if self._clean:
-            buf = self._pending + raw
-            cut = len(buf) if final else _clean_cut(buf)
-            self._pending = buf[cut:]
-            raw = Tokenizer._clean(buf[:cut])
-        return self._utf8.decode(raw, final=final)
 
 
 def _cut(text: str, start: int, end: int, tid: int, tok: str, attr: int,
@@ -654,15 +590,3 @@ def _cut(text: str, start: int, end: int, tid: int, tok: str, attr: int,
         if start >= end:
             break
     return out
-
-
-def _clean_cut(buf: bytes) -> int:
-    """Returns: the longest prefix length after which space cleaning cannot change.
-
-    The cleaning rules look at most two bytes past a space or apostrophe; cutting after
-    a byte that is none of " ", "'", "r", "v" keeps every rule on one side of the cut.
-    """
-    for k in range(len(buf), 0, -1):
-        if buf[k - 1] not in b" 'rv":
-            return k
-    return 0
