@@ -6,12 +6,18 @@ source distribution: `python scripts/fetch_models.py --vocab-suite`."""
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from localllm.errors import TokenizerError, UnsupportedModel
-from localllm.formats.fetch import vocab_suite_dir
+from localllm.errors import FetchError, TokenizerError, UnsupportedModel
+from localllm.formats.fetch import (
+    VOCAB_SUITE,
+    fetch_vocab_suite,
+    vocab_suite_complete,
+    vocab_suite_dir,
+)
 from localllm.formats.gguf import GGUFFile
 from localllm.text.tokenizer import Tokenizer
 
@@ -98,3 +104,25 @@ def test_unknown_pre_tokenizer_is_unsupported_model(suite):
     meta["tokenizer.ggml.model"] = "t5"
     with pytest.raises(UnsupportedModel, match="unsupported tokenizer.ggml.model 't5'"):
         Tokenizer.from_metadata(meta)
+
+
+def test_fetch_refuses_an_archive_that_is_not_the_sdist(tmp_path):
+    fake = tmp_path / VOCAB_SUITE.filename
+    member = tmp_path / "ggml-vocab-x.gguf.inp"
+    member.write_text("hello")
+    with tarfile.open(fake, "w:gz") as tf:
+        tf.add(member, arcname=VOCAB_SUITE.members + member.name)
+    target = tmp_path / "suite"
+    with pytest.raises(FetchError, match="checksum mismatch"):
+        fetch_vocab_suite(target, quiet=True, sdist=fake)
+    assert not vocab_suite_complete(target) and not (target / member.name).exists()
+
+
+def test_a_whole_extraction_is_kept(suite):
+    manifest = suite / ".manifest"
+    if not manifest.is_file():
+        pytest.skip(f"{suite} was not made by fetch_vocab_suite")
+    before = manifest.stat().st_mtime_ns
+    assert vocab_suite_complete(suite)
+    assert fetch_vocab_suite(suite, quiet=True, sdist="/no/such/archive") == suite
+    assert manifest.stat().st_mtime_ns == before
