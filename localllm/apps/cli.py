@@ -230,6 +230,11 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="time a client has to send a request's head, and at most between "
                           "parts of its body (default 10)")
+    srv.add_argument("--alias", action="append", default=[], metavar="NAME",
+                     help="another name /v1/models lists for the model (repeatable)")
+    srv.add_argument("--strict-model", action="store_true",
+                     help="refuse (404) requests naming another model; by default any name "
+                          "is served by the one model")
     srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_model_options(srv)
     _add_speculative_options(srv)
@@ -422,7 +427,8 @@ def cmd_serve(args) -> int:
         allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
-        load=model_settings, sampling=sampling, verbose=args.verbose))
+        load=model_settings, sampling=sampling, verbose=args.verbose, aliases=args.alias,
+        strict_model=args.strict_model))
 
 
 # ----------------------------------------------------------------------------- chat

@@ -7,8 +7,8 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from .common import (ServerState, event_stream, logprob_items, new_id, output_format, respond,
-                     sse, total_usage, usage_body)
+from .common import (ServerState, constrained_output, event_stream, logprob_items, new_id,
+                     respond, sse, total_usage, usage_body)
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -52,15 +52,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
     st.check_model(body.model)
     st.check_n(body.n)
-    fmt = body.response_format
-    output = output_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None,
-                           "response_format") if fmt else None
+    output = constrained_output(body)
     sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
     messages = [m.as_template_message() for m in body.messages]
+    top = body.top_logprobs if body.top_logprobs is not None else (body.n_probs or 0)
     spec = GenerationSpec([Prompt(messages=messages)], sampling, n=body.n, logprobs=body.logprobs,
-                          top_logprobs=body.top_logprobs or 0, output=output)
+                          top_logprobs=top if body.logprobs else 0, output=output)
     job = st.scheduler.submit(spec)
-    head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": st.model_id,
+    head = {"id": new_id("chatcmpl-"), "created": int(time.time()),
+            "model": st.served_name(body.model),
             "system_fingerprint": st.fingerprint}
 
     def whole(events: list[Event]) -> JSONResponse:
@@ -128,14 +128,16 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = body.prompts()
     st.check_n(body.n * len(prompts))
     sampling = st.sampling(body, body.max_tokens, body.stop)
+    n_lps = body.logprobs if body.logprobs is not None else body.n_probs
     spec = GenerationSpec([Prompt(text=p, param="prompt") if isinstance(p, str)
                            else Prompt(ids=p, param="prompt") for p in prompts],
-                          sampling, n=body.n, logprobs=body.logprobs is not None,
-                          top_logprobs=body.logprobs or 0, echo=body.echo)
+                          sampling, n=body.n, logprobs=n_lps is not None,
+                          top_logprobs=n_lps or 0, echo=body.echo,
+                          output=constrained_output(body))
     job = st.scheduler.submit(spec)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
-            "model": st.model_id, "system_fingerprint": st.fingerprint}
-    want_lps = body.logprobs is not None
+            "model": st.served_name(body.model), "system_fingerprint": st.fingerprint}
+    want_lps = n_lps is not None
 
     def whole(events: list[Event]) -> JSONResponse:
         got = _Choices(events)

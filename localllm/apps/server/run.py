@@ -79,7 +79,7 @@ def serve(settings: ServerSettings) -> int:
     from localllm.api import load
     path = resolve_model_path(settings.model, settings.load.get("models_dir"))
     settings.model_id = settings.model_id or model_id_for(settings.model, path)
-    names = frozenset({settings.model_id, path.name, path.stem,
+    names = frozenset({settings.model_id, path.name, path.stem, *settings.aliases,
                        *([settings.model] if settings.model else [])})
     logging.basicConfig(level=logging.INFO if settings.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

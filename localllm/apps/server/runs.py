@@ -43,11 +43,12 @@ class GenerationSpec:
 
 @dataclass
 class OutputFormat:
-    """Output that must be JSON: any object ('json_object') or a value valid under a schema
-    ('json_schema')."""
+    """Constrained output: any JSON object ('json_object'), a value valid under a schema
+    ('json_schema') or text a GBNF grammar matches ('grammar')."""
     kind: str
     schema: dict | None = None
     param: str = "response_format"   # the request field it came from
+    grammar: str | None = None
 
 
 # ----------------------------------------------------------------------------- events

@@ -29,6 +29,9 @@ class ServerSettings:
         sampling: the default SamplingParams fields, for what a request leaves out.
         shutdown_grace: seconds in-flight streams get to end after SIGTERM/SIGINT.
         verbose: log each request.
+        aliases: more names /v1/models lists for the model (--alias).
+        strict_model: refuse (404) requests naming another model; otherwise any name is
+            served by this one.
     """
     model: str | None = None
     model_id: str = ""
@@ -48,6 +51,8 @@ class ServerSettings:
     sampling: dict = field(default_factory=dict)
     shutdown_grace: float = 3.0
     verbose: bool = False
+    aliases: list[str] = field(default_factory=list)
+    strict_model: bool = False
 
     def check(self) -> None:
         """Raise ValueError, in one line, for settings that are unsafe or make no sense."""
