@@ -7,11 +7,13 @@ one line starting with ``error:`` and a non-zero exit code, by its class (see EX
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
@@ -154,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
     run.add_argument("--context-shift", action="store_true",
                      help="when the chat does not fit, drop its oldest turns (said on stderr)")
+    out = run.add_mutually_exclusive_group()
+    out.add_argument("--grammar", default=None, metavar="FILE|TEXT",
+                     help="constrain the output to a GBNF grammar (a file, or the text itself)")
+    out.add_argument("--grammar-file", default=None, metavar="FILE",
+                     help="constrain the output to the GBNF grammar in FILE")
+    out.add_argument("-j", "--json-schema", default=None, metavar="FILE|TEXT",
+                     help="constrain the output to JSON valid under a schema (a file, or "
+                          "the schema's JSON text)")
     _add_model_options(run)
     _add_speculative_options(run)
     _add_sampling_options(run)
@@ -305,6 +315,32 @@ def _configure(threads: int) -> None:
     configure_process(threads=threads or physical_cores())
 
 
+def _file_or_text(value: str) -> str:
+    """The contents of the file ``value`` names, or ``value`` itself when no such file."""
+    return Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
+
+
+def _run_constraint(args, model):
+    """The TokenConstraint --grammar, --grammar-file or --json-schema asks for (or None).
+
+    Raises:
+        GrammarError: the grammar or schema is bad or unsupported (the message says where).
+    """
+    from localllm.generation.constrain import GrammarError, TokenConstraint
+    if args.grammar_file is not None:
+        return TokenConstraint.gbnf(Path(args.grammar_file).read_text(encoding="utf-8"),
+                                    model.token_vocab)
+    if args.grammar is not None:
+        return TokenConstraint.gbnf(_file_or_text(args.grammar), model.token_vocab)
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_file_or_text(args.json_schema))
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"--json-schema is neither a file nor JSON: {e}") from None
+        return TokenConstraint.json_schema(schema, model.token_vocab)
+    return None
+
+
 def cmd_run(args) -> int:
     from localllm.api import load
     prompt = _read_prompt(args)
@@ -320,6 +356,9 @@ def cmd_run(args) -> int:
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
     chat = not args.raw and (model.template.from_file or args.chat_template is not None
                              or args.system is not None)
+    constraint = _run_constraint(args, model)
+    if constraint is not None:
+        sampling["constraint"] = constraint
     if not chat:
         stream = model.generate(prompt, **sampling)
     else:
