@@ -635,3 +635,31 @@ def test_loading_cors_and_shutdown(smollm_path):
         s.proc.wait(timeout=15)   # and the process exits
     finally:
         s.stop()
+
+
+def test_completion_logprobs_include_the_sampled_token_and_echo(client, http):
+    r = client.completions.create(model="x", prompt="The sky is", max_tokens=4, logprobs=2,
+                                  temperature=0.8, seed=3)
+    lp = r.choices[0].logprobs
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == value and len(top) in (2, 3)
+    prompt_ids = http.post("/tokenize", json={"content": "The sky is"}).json()["tokens"]
+    r = client.completions.create(model="x", prompt="The sky is", max_tokens=3, logprobs=1,
+                                  echo=True, temperature=0)
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(prompt_ids)
+    assert c.text.startswith("The sky is") and len(lp.tokens) == n + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == c.text
+    # the prompt's logprobs are the model's: the same as scoring it with one more token
+    again = client.completions.create(model="x", prompt="The sky is", max_tokens=1,
+                                      logprobs=0, echo=True, temperature=0)
+    assert again.choices[0].logprobs.token_logprobs[1:n] == pytest.approx(
+        lp.token_logprobs[1:n], abs=1e-3)
+    chunks = list(client.completions.create(model="x", prompt="The sky is", max_tokens=3,
+                                            logprobs=1, echo=True, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text

@@ -33,7 +33,7 @@ class _Choices:
         for ev in events:
             if isinstance(ev, Started):
                 self.text[ev.index] = [ev.prompt_text or ""]
-                self.logprobs[ev.index] = []
+                self.logprobs[ev.index] = list(ev.prompt_logprobs or [])
             elif isinstance(ev, Piece):
                 self.text[ev.index].append(ev.text)
                 self.logprobs[ev.index] += ev.logprobs or []
@@ -108,13 +108,17 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
 
 def _legacy_logprobs(lps, offset: int) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their log-probabilities and
-    their character offsets in the choice's text."""
+    their character offsets in the choice's text. The sampled token is always among its
+    position's top_logprobs (as OpenAI's are); an echoed prompt's first token has none."""
     tokens, values, offsets, tops = [], [], [], []
     for t in lps:
         tokens.append(t.token)
         values.append(t.logprob)
         offsets.append(offset)
-        tops.append({a.token: a.logprob for a in t.top})
+        top = {a.token: a.logprob for a in t.top}
+        if t.logprob is not None:
+            top.setdefault(t.token, t.logprob)
+        tops.append(top if t.logprob is not None else None)
         offset += len(t.token)
     return {"tokens": tokens, "token_logprobs": values,
             "top_logprobs": tops if any(tops) else None, "text_offset": offsets}
@@ -145,8 +149,9 @@ async def completions(body: CompletionRequest, request: Request):
         for i in got.indexes():
             echo = got.text[i][0]
             choices.append({"index": i, "text": "".join(got.text[i]),
-                            "logprobs": _legacy_logprobs(got.logprobs[i], len(echo)) if want_lps
-                            else None,
+                            "logprobs": _legacy_logprobs(
+                                got.logprobs[i], 0 if body.echo else len(echo))
+                            if want_lps else None,
                             "finish_reason": got.finish.get(i, "length")})
         return JSONResponse({**head, "choices": choices,
                              "usage": usage_body(total_usage(events, body.n))})
@@ -173,7 +178,8 @@ def _completion_stream(first: Event, job, head: dict, n: int, logprobs: bool,
     def render(ev: Event) -> list[str]:
         events.append(ev)
         if isinstance(ev, Started):
-            return [chunk(ev.index, ev.prompt_text)] if ev.prompt_text else []
+            return [chunk(ev.index, ev.prompt_text, lps=ev.prompt_logprobs)] \
+                if ev.prompt_text else []
         if isinstance(ev, Piece):
             return [chunk(ev.index, ev.text, lps=ev.logprobs)] if ev.text or ev.logprobs else []
         if isinstance(ev, Finished):
