@@ -229,8 +229,9 @@ def _add_serve_parser(sub) -> None:
                      help="Host header to accept besides loopback names (repeatable; '*': any)")
     srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="browser origin allowed to call the API (repeatable; default: none)")
-    srv.add_argument("--parallel", type=_positive_int, default=1,
-                     help="requests generated together in each forward pass (default 1)")
+    srv.add_argument("--parallel", type=_positive_int, default=None,
+                     help="requests generated together in each forward pass (default 4, "
+                          "fewer if the KV cache cannot hold a full context for each)")
     srv.add_argument("--max-queue", type=int, default=16,
                      help="requests waiting beyond --parallel; past that 503 (default 16)")
     srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
@@ -463,7 +464,8 @@ def cmd_serve(args) -> int:
     _configure(model_settings["threads"])
     return serve(ServerSettings(
         model=args.model, host=args.host, port=args.port, api_key=key,
-        allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
+        allow_hosts=args.allow_host, cors_origins=args.cors_origin,
+        parallel=args.parallel or 4, parallel_default=args.parallel is None,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
         load=model_settings, sampling=sampling, verbose=args.verbose, aliases=args.alias,

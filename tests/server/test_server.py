@@ -621,6 +621,7 @@ def test_loading_cors_and_shutdown(smollm_path):
             r = c.post("/v1/chat/completions", json={"model": "gpt-4", "messages": QUESTION})
             assert error_of(r, 404)["code"] == "model_not_found"
             assert error_of(c.get("/models/gpt-4"), 404)["code"] == "model_not_found"
+            assert c.get("/props").json()["total_slots"] == 4   # --parallel's default
 
         data = []
         body = {"messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -663,3 +664,16 @@ def test_completion_logprobs_include_the_sampled_token_and_echo(client, http):
                                             stream=True))
     assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
     assert "".join(ch.choices[0].text for ch in chunks) == c.text
+
+
+def test_parallel_default_shrinks_to_the_kv_cache(smollm_path):
+    # SmolLM2's KV is 23 KB a token (f16): 20 MB hold one 512-token context, not four.
+    s = ServerProcess(smollm_path, "-c", "512", "--kv-pool-mb", "20")
+    try:
+        s.wait_ready()
+        with s.client() as c:
+            assert c.get("/props").json()["total_slots"] == 1
+        said = "--parallel 1: the KV cache has room for 1 full 512-token context(s), not 4"
+        assert any(said in line for line in s.lines), s.lines
+    finally:
+        s.stop()

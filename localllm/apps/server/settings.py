@@ -20,6 +20,8 @@ class ServerSettings:
         allow_hosts: Host header values accepted besides loopback names and addresses.
         cors_origins: browser origins allowed to call the API (none: CORS off).
         parallel: requests generated together; max_queue: requests waiting beyond them.
+        parallel_default: parallel was not given: fewer slots when the KV cache cannot hold
+            a full context for each (said on stderr).
         max_body: largest request body in bytes; max_n: most choices a request may ask for.
         max_connections: open connections at most (more get 503 at once).
         request_timeout: seconds a client has to send a request's head, and at most between
@@ -40,7 +42,8 @@ class ServerSettings:
     api_key: str | None = None
     allow_hosts: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)
-    parallel: int = 1
+    parallel: int = 4
+    parallel_default: bool = False
     max_queue: int = 16
     max_body: int = DEFAULT_MAX_BODY
     max_n: int = 8
