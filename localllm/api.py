@@ -24,7 +24,8 @@ import numpy as np
 
 from localllm.backends.base import Backend
 from localllm.errors import (BadSetting, EmptyPrompt, EngineError, LocalLLMError, PromptTooLong,
-                             SequenceError)
+                             SequenceError, UnsupportedModel)
+from localllm.generation.model_embedding import EmbeddingMixin
 from localllm.formats import fetch
 from localllm.formats.gguf import GGUFFile
 from localllm.generation.decoder import (Chunk, Decoder, DecoderHooks, GenerationStats,
@@ -187,8 +188,9 @@ class Generation:
         self._chunks.close()
 
 
-class Model:
-    """A loaded model: tokenizer, chat template, placed layers and the paged KV cache."""
+class Model(EmbeddingMixin):
+    """A loaded model: tokenizer, chat template, placed layers and the paged KV cache
+    (embeddings, ranking and fill-in-the-middle prompts: generation/model_embedding.py)."""
 
     def __init__(self, path: str | os.PathLike, settings: LoadSettings | None = None):
         t0 = time.perf_counter()
@@ -407,6 +409,9 @@ class Model:
             TokenOutOfVocab: an id outside the vocabulary.
             PromptTooLong: no room left in the context for a reply.
         """
+        if not self.net.generates:
+            raise UnsupportedModel(f"{self.args.arch} is an embedding model; it does not "
+                                   "generate text", param="model")
         if not ids:
             raise EmptyPrompt("the prompt is empty", param=param)
         check_tokens(ids, self.vocab_size, param)

@@ -7,6 +7,7 @@ the other. Prompt figures use the same token ids for both engines.
 
     python scripts/bench.py smollm2-135m gemma3-270m --threads 2
     python scripts/bench.py model.gguf --llama-python /path/to/venv/bin/python --json
+    python scripts/bench.py --embed --threads 2     (embedding throughput: bench_embed.py)
 """
 
 from __future__ import annotations
@@ -33,26 +34,34 @@ ONESHOT_TOKENS = 32
 
 # ----------------------------------------------------------------------------- workers
 
-def _peak_rss_mb() -> float:
-    """Peak resident memory of this process (VmHWM; ru_maxrss would include the parent's)."""
+def _memory_mb() -> dict:
+    """Peak resident memory and the resident split now: anonymous pages (the engine's own
+    copies) and file-backed ones (the mapped GGUF), from /proc/self/status."""
+    want = {"VmHWM:": "peak_rss_mb", "RssAnon:": "rss_anon_mb", "RssFile:": "rss_file_mb"}
+    out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+            key = line.split(None, 1)[0]
+            if key in want:
+                out[want[key]] = int(line.split()[1]) / 1024
+    return out
 
 
 def _median(xs):
     return statistics.median(xs)
 
 
-def worker_localllm(path: str, ids: list[int], threads: int, reps: int, depth: int) -> dict:
+def worker_localllm(path: str, ids: list[int], threads: int, reps: int, depth: int,
+                    models_dir: str | None = None) -> dict:
     t0 = time.perf_counter()
     import localllm
-    m = localllm.load(path, threads=threads, ctx_size=depth + 1024, batch_size=512)
+    m = localllm.load(path, threads=threads, ctx_size=depth + 1024, batch_size=512,
+                      models_dir=models_dir)
     load_s = time.perf_counter() - t0
     m.logits(ids[:8])  # first call maps the compiled kernels in
-    out = {"load_s": load_s}
+    out = {"load_s": load_s, "ready_s": time.perf_counter() - t0}
+    if reps == 0:  # start-up figures only
+        return {**out, **_memory_mb()}
     base = m.new_sequence()
     if depth:
         base.feed(ids[:depth])  # the context every figure starts from
@@ -89,7 +98,7 @@ def worker_localllm(path: str, ids: list[int], threads: int, reps: int, depth: i
     out["ttft_s"] = _median(ttfts)
     out["tg_tps"] = _median(tps)
     out["decode_tokens"] = m.last_stats.generated_tokens - 1
-    out["peak_rss_mb"] = _peak_rss_mb()
+    out.update(_memory_mb())
     out["weight_bytes_per_token"] = decode_weight_bytes(m)
     return out
 
@@ -105,7 +114,8 @@ def decode_weight_bytes(m) -> int:
     return int(total)
 
 
-def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int) -> dict:
+def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int,
+                 models_dir: str | None = None) -> dict:
     import numpy as np
     t0 = time.perf_counter()
     import llama_cpp
@@ -114,6 +124,16 @@ def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int)
     load_s = time.perf_counter() - t0
     out = {"load_s": load_s}
     llm.eval(ids[:8])
+    out["ready_s"] = time.perf_counter() - t0
+    if reps == 0:
+        return {**out, **_memory_mb()}
+    n_vocab = llm.n_vocab()
+
+    def argmax_last() -> int:
+        # Without logits_all, llama-cpp-python leaves llm.scores at zeros: read the context's
+        # logits of the last evaluated token instead, so the decode really is greedy.
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
 
     def at_depth():
         llm.reset()
@@ -132,17 +152,17 @@ def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int)
         at_depth()
         t = time.perf_counter()
         llm.eval(ids[depth:depth + 256])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = argmax_last()
         ttfts.append(time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(DECODE_TOKENS):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = argmax_last()
         tps.append(DECODE_TOKENS / (time.perf_counter() - t))
     out["ttft_s"] = _median(ttfts)
     out["tg_tps"] = _median(tps)
     out["decode_tokens"] = DECODE_TOKENS
-    out["peak_rss_mb"] = _peak_rss_mb()
+    out.update(_memory_mb())
     return out
 
 
@@ -196,12 +216,14 @@ def _children_seconds() -> float:
 
 
 def run_worker(python: str, engine: str, path: str, ids: list[int], threads: int, reps: int,
-               depth: int = 0, env_extra: dict | None = None, retries: int = 0) -> dict | None:
+               depth: int = 0, env_extra: dict | None = None, retries: int = 0,
+               models_dir: str | None = None) -> dict | None:
     """One worker's figures, run again (up to ``retries`` times) while other processes used
     more than 0.15 of a core during it; the result carries that share as 'others_cores'."""
     for attempt in range(retries + 1):
         busy0, own0, t0 = _busy_seconds(), _children_seconds(), time.perf_counter()
-        out = _run_worker_once(python, engine, path, ids, threads, reps, depth, env_extra)
+        out = _run_worker_once(python, engine, path, ids, threads, reps, depth, env_extra,
+                               models_dir)
         busy1, own1, wall = _busy_seconds(), _children_seconds(), time.perf_counter() - t0
         if out is None or busy0 is None:
             return out
@@ -216,7 +238,8 @@ def run_worker(python: str, engine: str, path: str, ids: list[int], threads: int
 
 
 def _run_worker_once(python: str, engine: str, path: str, ids: list[int], threads: int,
-                     reps: int, depth: int, env_extra: dict | None) -> dict | None:
+                     reps: int, depth: int, env_extra: dict | None,
+                     models_dir: str | None = None) -> dict | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
         ids_file = f.name
@@ -224,6 +247,8 @@ def _run_worker_once(python: str, engine: str, path: str, ids: list[int], thread
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [python, __file__, "--worker", engine, path, "--ids", ids_file,
            "--threads", str(threads), "--reps", str(reps), "--depth", str(depth)]
+    if models_dir:
+        cmd += ["--models-dir", models_dir]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
@@ -347,6 +372,11 @@ def format_table(name: str, ours: dict | None, ref: dict | None) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--embed" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_embed
+        return bench_embed.main([a for a in argv if a != "--embed"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--threads", type=int, default=2)
@@ -366,6 +396,11 @@ def main(argv=None) -> int:
                     help="run a worker again, up to this many times, while other processes "
                          "used more than 0.15 of a core during it (Linux)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--scale", type=Path, default=None, metavar="DIR",
+                    help="run the scale ladder: every GGUF in DIR (scripts/make_scale_models.py), "
+                         "first and warm loads, prompt 512 at depth 0 and 4000, decode against "
+                         "the measured read bandwidth")
+    ap.add_argument("--models-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--oneshot-llama", help=argparse.SUPPRESS)
@@ -375,7 +410,8 @@ def main(argv=None) -> int:
     if args.worker:
         ids = json.loads(Path(args.ids).read_text())
         fn = worker_localllm if args.worker == "localllm" else worker_llama
-        print(json.dumps(fn(args.models[0], ids, args.threads, args.reps, args.depth)))
+        print(json.dumps(fn(args.models[0], ids, args.threads, args.reps, args.depth,
+                            args.models_dir)))
         return 0
     if args.oneshot_llama:
         oneshot_llama(args.oneshot_llama, args.threads, args.prompt)
@@ -386,6 +422,9 @@ def main(argv=None) -> int:
     if llama_python is None:
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
         llama_python = sys.executable if probe.returncode == 0 else None
+    if args.scale:
+        import bench_scale
+        return bench_scale.run(args, llama_python)
     import localllm
     report = {"machine": {"cpu": _cpu_name(), "kernel_path": localllm.configure_process().isa, "threads": args.threads,
                           "python": platform.python_version(), "os": platform.platform()},

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from localllm.apps.cli_embed import add_embed_parser, cmd_embed
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
                              ModelFileError, NotEnoughMemory, TokenOutOfVocab)
+from localllm.text.reasoning import Part, ReasoningSplitter, style_of_template
+from .run_output import ReasoningOut, write_parts
 
 EXIT_ERROR = 1       # anything else that went wrong (a file that cannot be read, ...)
 EXIT_USAGE = 2       # a command line or a setting that makes no sense
@@ -154,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no chat template: continue the text (the default for models whose "
                           "file has no chat template, unless --chat-template or --system)")
     run.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
+    run.add_argument("--hide-reasoning", action="store_true",
+                     help="do not show a reasoning model's thinking (shown dimmed on stderr)")
     run.add_argument("--context-shift", action="store_true",
                      help="when the chat does not fit, drop its oldest turns (said on stderr)")
     out = run.add_mutually_exclusive_group()
@@ -164,9 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("-j", "--json-schema", default=None, metavar="FILE|TEXT",
                      help="constrain the output to JSON valid under a schema (a file, or "
                           "the schema's JSON text)")
+    run.add_argument("--fim-prefix", default=None, metavar="TEXT",
+                     help="fill in the middle after this text (the prompt, if any, starts the "
+                          "middle; needs a model with FIM tokens)")
+    run.add_argument("--fim-suffix", default=None, metavar="TEXT",
+                     help="... and before this text")
     _add_model_options(run)
     _add_speculative_options(run)
     _add_sampling_options(run)
+    add_embed_parser(sub, _add_model_options)
 
     ppl = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp measures it")
     ppl.add_argument("model", nargs="?", default=None, help="GGUF path or known model name")
@@ -246,6 +257,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--strict-model", action="store_true",
                      help="refuse (404) requests naming another model; by default any name "
                           "is served by the one model")
+    srv.add_argument("--reasoning-format", default="auto", choices=("none", "deepseek", "auto"),
+                     help="none: a model's reasoning stays in the content; deepseek, auto: "
+                          "it comes apart, as reasoning_content (default auto)")
     srv.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_model_options(srv)
     _add_speculative_options(srv)
@@ -344,7 +358,8 @@ def _run_constraint(args, model):
 
 def cmd_run(args) -> int:
     from localllm.api import load
-    prompt = _read_prompt(args)
+    fim = args.fim_prefix is not None or args.fim_suffix is not None
+    prompt = _read_prompt(args) if not fim or args.prompt or args.file else ""
     sampling = _sampling(args)
     from localllm.generation.sampling import SamplingParams
     SamplingParams(**sampling).validate()
@@ -360,7 +375,10 @@ def cmd_run(args) -> int:
     constraint = _run_constraint(args, model)
     if constraint is not None:
         sampling["constraint"] = constraint
-    if not chat:
+    if fim:
+        stream = model.generate(model.infill_tokens(args.fim_prefix or "", args.fim_suffix or "",
+                                                    prompt=prompt), **sampling)
+    elif not chat:
         stream = model.generate(prompt, **sampling)
     else:
         messages = []
@@ -369,14 +387,21 @@ def cmd_run(args) -> int:
         messages.append({"role": "user", "content": prompt})
         stream = model.chat(messages, context_shift=args.context_shift, **sampling)
     out = sys.stdout
+    shown = ReasoningOut(sys.stderr, args.hide_reasoning)
+    splitter = None
+    if chat:   # reasoning (<think>, harmony analysis) goes to stderr, the answer to stdout
+        splitter = ReasoningSplitter(style_of_template(model.template.source),
+                                     model.render_chat(messages))
     dropped = 0
     for piece in stream:
         if stream.stats.dropped_messages > dropped:
             dropped = stream.stats.dropped_messages
             print(f"context shift: dropped the {dropped} oldest message(s) to fit the "
                   f"{model.ctx}-token context", file=sys.stderr)
-        out.write(piece)
-        out.flush()
+        write_parts(splitter.feed(piece) if splitter else [Part("content", piece)], out, shown)
+    if splitter is not None:
+        write_parts(splitter.finish(), out, shown)
+    shown.end()
     out.write("\n")
     out.flush()
     if args.verbose:
@@ -468,8 +493,8 @@ def cmd_serve(args) -> int:
         parallel=args.parallel or 4, parallel_default=args.parallel is None,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
-        load=model_settings, sampling=sampling, verbose=args.verbose, aliases=args.alias,
-        strict_model=args.strict_model))
+        load=model_settings, sampling=sampling, reasoning_format=args.reasoning_format,
+        verbose=args.verbose, aliases=args.alias, strict_model=args.strict_model))
 
 
 # ----------------------------------------------------------------------------- chat
@@ -606,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve,
                "perplexity": cmd_perplexity, "pull": cmd_pull, "list": cmd_list,
-               "inspect": cmd_inspect}[args.command]
+               "inspect": cmd_inspect,
+               "embed": lambda a: cmd_embed(a, _model_settings(a))}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

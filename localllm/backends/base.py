@@ -140,6 +140,18 @@ class Backend(Protocol):
     def glu(self, gate: Any, up: Any, act: str) -> Any:
         """act(gate) * up with act in {'silu', 'gelu_tanh'}."""
 
+    def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
+        """(x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias, unless None), per row."""
+
+    def act(self, x: Any, act: str) -> Any:
+        """act(x) elementwise with act in {'gelu_tanh', 'tanh'} (encoders' FFN and heads)."""
+
+    def encoder_attention(self, q: Any, k: Any, v: Any, starts: Sequence[int], n_heads: int,
+                          scale: float) -> Any:
+        """Bidirectional attention with no KV cache: the tokens of sequence s are rows
+        starts[s]..starts[s+1] and each attends to every token of its own sequence;
+        k and v have n_kv heads of q's head size (GQA): (n, n_heads * head_dim)."""
+
     def add(self, x: Any, y: Any) -> Any:
         """x + y (may reuse x's storage)."""
 

@@ -17,6 +17,7 @@ from localllm.errors import BadSetting
 from localllm.formats.dequant import dequantize
 from localllm.formats.quants import row_nbytes
 from localllm.kernels import attention as attn_k
+from localllm.kernels import encoder as enc_k
 from localllm.kernels.direct import DirectCall, fingerprint
 from localllm.kernels import kvpages
 from localllm.kernels import matmul as mm
@@ -293,6 +294,28 @@ class CpuBackend:
     def add(self, x, y):
         ops.add_inplace(x, y)
         return x
+
+    def layer_norm(self, x, weight, bias, eps):
+        out = np.empty_like(x)
+        enc_k.layer_norm(np.ascontiguousarray(x), weight, _EMPTY if bias is None else bias,
+                         float(eps), out)
+        return out
+
+    def act(self, x, act):
+        kinds = {"gelu_tanh": 0, "tanh": 1}
+        if act not in kinds:
+            raise ValueError(f"unknown activation {act}")
+        out = np.empty_like(x)
+        enc_k.activation(np.ascontiguousarray(x), out, kinds[act])
+        return out
+
+    def encoder_attention(self, q, k, v, starts, n_heads, scale):
+        q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
+        hd = q.shape[1] // n_heads
+        out = np.empty_like(q)
+        enc_k.encoder_attention(q, k, v, np.asarray(starts, np.int64), n_heads,
+                                k.shape[1] // hd, float(scale), out)
+        return out
 
     def select_rows(self, x, rows: Sequence[int]):
         return np.ascontiguousarray(x[np.asarray(rows, np.int64)])

@@ -259,6 +259,13 @@ class DeviceBackend:
             return gate / (1.0 + self._gelu_exp(gate)) * up
         raise ValueError(f"unknown activation {act}")
 
+    def act(self, x: Any, act: str) -> Any:
+        if act == "gelu_tanh":
+            return x / (1.0 + self._gelu_exp(x))
+        if act == "tanh":
+            return 2.0 / (1.0 + self._exp(-2.0 * x)) - 1.0
+        raise ValueError(f"unknown activation {act}")
+
     def select_rows(self, x: Any, rows: Sequence[int]) -> Any:
         return x[self._indices(rows)]
 

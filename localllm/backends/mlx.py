@@ -222,6 +222,26 @@ class MlxBackend(DeviceBackend):
     def add(self, x, y):
         return x + y
 
+    def layer_norm(self, x, weight, bias, eps):
+        mean = mx.mean(x, axis=-1, keepdims=True)
+        d = x - mean
+        y = d * mx.rsqrt(mx.mean(mx.square(d), axis=-1, keepdims=True) + eps) * weight
+        return y + bias if bias is not None else y
+
+    def encoder_attention(self, q, k, v, starts, n_heads, scale):
+        hd = q.shape[1] // n_heads
+        group = n_heads // (k.shape[1] // hd)
+        parts = []
+        for a, b in zip(starts[:-1], starts[1:]):
+            a, b = int(a), int(b)
+            L = b - a
+            q3 = q[a:b].reshape(L, n_heads, hd).transpose(1, 0, 2)
+            k3 = mx.repeat(k[a:b].reshape(L, -1, hd).transpose(1, 0, 2), group, axis=0)
+            v3 = mx.repeat(v[a:b].reshape(L, -1, hd).transpose(1, 0, 2), group, axis=0)
+            w = mx.softmax((q3 @ k3.transpose(0, 2, 1)) * scale, axis=-1)
+            parts.append((w @ v3).transpose(1, 0, 2).reshape(L, -1))
+        return mx.concatenate(parts, axis=0)
+
     def to_numpy(self, x):
         return np.array(x.astype(mx.float32), copy=True)
 

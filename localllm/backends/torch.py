@@ -204,6 +204,28 @@ class TorchBackend(DeviceBackend):
     def add(self, x, y):
         return x.add_(y)
 
+    def layer_norm(self, x, weight, bias, eps):
+        # As the CPU backend: mean and variance in float64, the scaling in float32.
+        xd = x.double()
+        mean = xd.mean(-1, keepdim=True)
+        inv = (1.0 / torch.sqrt((xd - mean).square().mean(-1, keepdim=True) + eps)).float()
+        y = (x - mean.float()) * inv * weight
+        return y + bias if bias is not None else y
+
+    def encoder_attention(self, q, k, v, starts, n_heads, scale):
+        hd = q.shape[1] // n_heads
+        group = n_heads // (k.shape[1] // hd)
+        out = torch.empty_like(q)
+        for a, b in zip(starts[:-1], starts[1:]):
+            a, b = int(a), int(b)
+            L = b - a
+            q3 = q[a:b].reshape(L, n_heads, hd).transpose(0, 1)
+            k3 = k[a:b].reshape(L, -1, hd).transpose(0, 1).repeat_interleave(group, 0)
+            v3 = v[a:b].reshape(L, -1, hd).transpose(0, 1).repeat_interleave(group, 0)
+            w = torch.softmax((q3 @ k3.transpose(1, 2)) * scale, -1)
+            out[a:b] = (w @ v3).transpose(0, 1).reshape(L, -1)
+        return out
+
     def to_numpy(self, x):
         # A copy: on the CPU device .numpy() would share memory that later in-place adds
         # change.

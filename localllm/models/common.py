@@ -51,6 +51,23 @@ def meta_float(meta: dict, key: str, default: float | None = None) -> float:
     return x
 
 
+# {arch}.pooling_type as llama.cpp numbers it
+POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def pooling_type(meta: dict, arch: str) -> str:
+    """The file's pooling for embeddings ("none" when it names none).
+
+    Raises:
+        ModelError: a number llama.cpp does not define.
+    """
+    v = meta_get(meta, f"{arch}.pooling_type", 0)
+    if isinstance(v, bool) or not isinstance(v, int) or int(v) not in POOLING:
+        raise ModelError(f"metadata '{arch}.pooling_type' is {v!r}; expected one of "
+                         f"{', '.join(f'{k} ({n})' for k, n in POOLING.items())}")
+    return POOLING[int(v)]
+
+
 @dataclass(frozen=True)
 class Placement:
     """Which backend holds what: the token embedding, each decoder layer, the output head."""

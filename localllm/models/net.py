@@ -12,6 +12,7 @@ from typing import Any
 from localllm.backends.base import Backend, KVBatch
 
 from .block import BlockSpec, BlockWeights, run_block
+from .common import ModelError
 
 
 @dataclass
@@ -31,20 +32,24 @@ class Net:
     layers: list[PlacedLayer]
     be: Backend
     head_be: Backend
+    generates = True      # False: an encoder, whose outputs are hidden states only
 
     def embed(self, ids):
         """Hidden states of the tokens, on the embedding's backend."""
         return self.be.embed(self.tok_embd, ids)
 
-    def forward(self, ids, positions, kv: KVBatch, logit_rows):
+    def forward(self, ids, positions, kv: KVBatch, logit_rows, hidden: bool = False):
         """Run tokens ``ids`` at ``positions`` through every layer, writing their KV.
 
         Args:
             ids: int64 (n,) token ids; positions: int64 (n,) their positions in their sequences.
             kv: the pages and block tables the layers read and write.
             logit_rows: indices into ids whose logits are wanted.
+            hidden: return those rows' final hidden states (after the output norm, as
+                llama.cpp's embeddings) instead of logits.
         Returns:
-            float32 numpy (len(logit_rows), vocab_size), or None if no rows are wanted.
+            float32 numpy (len(logit_rows), vocab_size) (hidden: (len(logit_rows), dim)), or
+            None if no rows are wanted.
         """
         x = self.embed(ids)
         be = self.be
@@ -60,4 +65,15 @@ class Net:
         hb = self.head_be
         x = hb.select_rows(x, logit_rows)
         x = hb.rms_norm(x, self.out_norm, self.args.norm_eps)
+        if hidden:
+            return hb.to_numpy(x)
         return hb.to_numpy(hb.linear(x, [self.output])[0])
+
+    def classify(self, pooled):
+        """The classification head over pooled hidden states (rank pooling).
+
+        Raises:
+            UnsupportedModel: the model has no classification head.
+        """
+        raise ModelError(f"{self.args.arch} models have no classification head (cls tensors); "
+                         "they cannot rank")

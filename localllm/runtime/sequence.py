@@ -274,11 +274,12 @@ class Runner:
                 outs.append(out)
         return np.concatenate(outs) if all_logits and len(outs) > 1 else outs[-1]
 
-    def step(self, items: list[StepItem]) -> list:
+    def step(self, items: list[StepItem], hidden: bool = False) -> list:
         """One forward pass over several sequences' new tokens.
 
         Args:
             items: each sequence at most once, with its tokens and the logits wanted.
+            hidden: the rows' final hidden states (dim wide) in place of logits (embeddings).
         Returns:
             Per item, as its ``logits`` says: float32 (len(tokens), vocab) for "all",
             (vocab,) for "last", None for "none".
@@ -334,7 +335,8 @@ class Runner:
                 rows.append(at + n - 1)
             spans.append((first, len(rows)))
             at += n
-        logits = self.net.forward(flat, positions, kv, rows)
+        logits = self.net.forward(flat, positions, kv, rows, hidden) if hidden else \
+            self.net.forward(flat, positions, kv, rows)
         out = []
         for it, (a, b) in zip(items, spans):
             it.seq.extend_tokens(it.tokens)

@@ -174,6 +174,10 @@ class Tokenizer:
         self._special_ids(meta, defaults)
         self.add_bos = bool(_key(meta, "add_bos_token", add_bos))
         self.add_eos = bool(_key(meta, "add_eos_token", False))
+        # llama.cpp appends SEP to rerank pairs for these pre-tokenizers (and WordPiece)
+        sep_default = self.model == "bert" or self.pre in ("jina-v1-en", "jina-v2-code",
+                                                           "roberta-bpe")
+        self.add_sep = bool(_key(meta, "add_sep_token", sep_default))
         self._detect_by_text(meta)
         self._phi3_strip(meta)
         self._build_specials()
@@ -330,6 +334,11 @@ class Tokenizer:
     def token_attr(self, id: int) -> int:
         """Returns: llama.cpp's attribute bits for a token, after its load-time fixes."""
         return self._attr[id]
+
+    def special_id(self, name: str) -> int | None:
+        """A special token's id by llama.cpp's name (bos, eos, eot, sep, pad, fim_pre,
+        fim_suf, fim_mid, fim_pad, fim_rep, fim_sep, ...), or None if the model has none."""
+        return self._ids.get(name)
 
     def token_id(self, text: str) -> int | None:
         """Returns: the id of the token whose text is exactly `text`, or None."""

@@ -231,6 +231,19 @@ def test_runs_every_protocol_method_against_the_cpu_backend(be, cpu, gemma):
     for act in ("silu", "gelu_tanh"):
         got, want = p.both(lambda b, w, g, u: b.glu(g, u, act), gate, up)
         check(f"{be.name} glu {act}", got, want, TOL_FLOAT_OP)
+    # the encoders' operations (models/bert.py)
+    nb = rnd(rng, DIM)
+    got, want = p.both(lambda b, w, x, c: b.layer_norm(x, w.attn_norm, c, EPS), x, nb)
+    check(f"{be.name} layer_norm", got, want, TOL_FLOAT_OP)
+    got, want = p.both(lambda b, w, x: b.layer_norm(x, w.attn_norm, None, EPS), x)
+    check(f"{be.name} layer_norm without bias", got, want, TOL_FLOAT_OP)
+    for act in ("gelu_tanh", "tanh"):
+        got, want = p.both(lambda b, w, g: b.act(g, act), gate)
+        check(f"{be.name} act {act}", got, want, TOL_FLOAT_OP)
+    eq, ek, ev = rnd(rng, 7, H * HD), rnd(rng, 7, N_KV * HD), rnd(rng, 7, N_KV * HD)
+    got, want = p.both(lambda b, w, q, k, v: b.encoder_attention(q, k, v, [0, 5, 7], H, 0.0625),
+                       eq, ek, ev)
+    check(f"{be.name} encoder_attention", got, want, TOL_ATTENTION)
     y = rnd(rng, n, DIM)
     got, want = p.both(lambda b, w, x, y: b.add(x, y), x, y)
     np.testing.assert_array_equal(got, want)

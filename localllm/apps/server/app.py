@@ -6,12 +6,13 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from starlette.routing import Match
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from localllm import __version__
 from localllm.errors import TokenOutOfVocab
-from . import openai_api, responses_api
+from . import anthropic_api, embeddings_api, openai_api, responses_api
 from .common import ServerState
 from .errors import APIError, api_error, error_body, install_handlers
 from .schemas import DetokenizeRequest, TokenizeRequest
@@ -41,6 +42,8 @@ def create_app(state: ServerState) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
+    app.include_router(embeddings_api.router)
+    app.include_router(anthropic_api.router)
     _add_service_routes(app)
     s = state.settings
     hosts = HostAllowlist([*s.allow_hosts, s.host])
@@ -49,7 +52,8 @@ def create_app(state: ServerState) -> FastAPI:
     if s.cors_origins:  # off unless asked for: a web page must not reach the model by default
         app.add_middleware(CORSMiddleware, allow_origins=s.cors_origins,
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"])
     return app
 
 
@@ -140,21 +144,23 @@ def _model_card(s: ServerState, name: str) -> dict:
     return {"id": name, "object": "model", "created": s.created, "owned_by": "localllm"}
 
 
-# Paths served as they are; every other path also answers without its /v1 prefix.
-_OWN_PATHS = ("/health", "/metrics", "/tokenize", "/detokenize", "/openapi.json")
-
-
 class V1Aliases:
-    """Serves /chat/completions, /models, /responses, /props, ... as /v1/...: clients that
-    leave out the prefix (as llama-server allows) reach the same routes."""
+    """Serves /chat/completions, /models, /responses, /props, ... as /v1/...: a path no route
+    has is tried with the /v1 prefix (clients that leave it out, as llama-server allows,
+    reach the same routes)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            path = scope["path"]
-            if not (path == "/v1" or path.startswith("/v1/") or path in _OWN_PATHS):
-                scope = dict(scope, path="/v1" + path,
-                             raw_path=b"/v1" + scope.get("raw_path", path.encode()))
+        if scope["type"] == "http" and not scope["path"].startswith("/v1/"):
+            routes = scope["app"].router.routes
+            if not _routed(routes, scope) and _routed(routes, v1 := dict(
+                    scope, path="/v1" + scope["path"])):
+                scope = dict(v1, raw_path=b"/v1" + scope.get("raw_path", b""))
         await self.app(scope, receive, send)
+
+
+def _routed(routes, scope) -> bool:
+    """Whether some route has the scope's path (for any method)."""
+    return any(r.matches(scope)[0] != Match.NONE for r in routes)

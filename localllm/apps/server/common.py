@@ -225,6 +225,7 @@ def total_usage(events: list[Event], n: int) -> Usage:
                 u.prompt_tokens += ev.usage.prompt_tokens
                 u.cached_tokens += ev.usage.cached_tokens
             u.completion_tokens += ev.usage.completion_tokens
+            u.reasoning_tokens += ev.usage.reasoning_tokens
     return u
 
 
@@ -232,7 +233,7 @@ def usage_body(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0}}
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
 
 
 def logprob_items(lps: list[TokenLogprob] | None) -> list[dict]:

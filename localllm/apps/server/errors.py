@@ -51,6 +51,19 @@ def error_body(status: int, message: str, code: str | None = None,
                       "param": param, "code": code}}
 
 
+# Anthropic's error types by HTTP status, for /v1/messages
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error object, ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(
+        status, "invalid_request_error" if 400 <= status < 500 else "api_error"),
+        "message": message}}
+
+
 def _too_long(e: PromptTooLong, param: str | None) -> str:
     if not e.n_tokens:
         return _first_line(e)

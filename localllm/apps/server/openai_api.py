@@ -28,20 +28,37 @@ class _Choices:
 
     def __init__(self, events: list[Event]):
         self.text: dict[int, list[str]] = {}     # the echoed prompt first (or "")
+        self.reasoning: dict[int, list[str]] = {}
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, str] = {}
         for ev in events:
             if isinstance(ev, Started):
                 self.text[ev.index] = [ev.prompt_text or ""]
+                self.reasoning[ev.index] = []
                 self.logprobs[ev.index] = list(ev.prompt_logprobs or [])
             elif isinstance(ev, Piece):
                 self.text[ev.index].append(ev.text)
+                self.reasoning[ev.index].append(ev.reasoning)
                 self.logprobs[ev.index] += ev.logprobs or []
             elif isinstance(ev, Finished):
                 self.finish[ev.index] = ev.finish_reason
 
     def indexes(self) -> list[int]:
         return sorted(self.text)
+
+    def message(self, i: int) -> dict:
+        """The assistant message of choice i (its reasoning apart, where there was some)."""
+        m = {"role": "assistant", "content": "".join(self.text[i]), "refusal": None}
+        reasoning = "".join(self.reasoning[i])
+        if reasoning:
+            m["reasoning_content"] = reasoning
+        return m
+
+
+def split_reasoning(st: ServerState, requested: str | None) -> bool:
+    """Whether a chat request gets its reasoning apart (--reasoning-format, or the request's
+    reasoning_format)."""
+    return (requested or st.settings.reasoning_format) != "none"
 
 
 # ----------------------------------------------------------------------------- chat
@@ -56,8 +73,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
     messages = [m.as_template_message() for m in body.messages]
     top = body.top_logprobs if body.top_logprobs is not None else (body.n_probs or 0)
-    spec = GenerationSpec([Prompt(messages=messages)], sampling, n=body.n, logprobs=body.logprobs,
-                          top_logprobs=top if body.logprobs else 0, output=output)
+    spec = GenerationSpec([Prompt(messages=messages, template_kwargs=body.template_kwargs())],
+                          sampling, n=body.n, logprobs=body.logprobs,
+                          top_logprobs=top if body.logprobs else 0, output=output,
+                          split_reasoning=split_reasoning(st, body.reasoning_format))
     job = st.scheduler.submit(spec)
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()),
             "model": st.served_name(body.model),
@@ -66,8 +85,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def whole(events: list[Event]) -> JSONResponse:
         got = _Choices(events)
         choices = [{"index": i,
-                    "message": {"role": "assistant", "content": "".join(got.text[i]),
-                                "refusal": None},
+                    "message": got.message(i),
                     "logprobs": ({"content": logprob_items(got.logprobs[i]), "refusal": None}
                                  if body.logprobs else None),
                     "finish_reason": got.finish.get(i, "length")} for i in got.indexes()]
@@ -95,8 +113,10 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
         if isinstance(ev, Started):
             return [chunk(ev.index, {"role": "assistant", "content": ""})]
         if isinstance(ev, Piece):
-            return [chunk(ev.index, {"content": ev.text}, lps=ev.logprobs)] \
-                if ev.text or ev.logprobs else []
+            out = [chunk(ev.index, {"reasoning_content": ev.reasoning})] if ev.reasoning else []
+            if ev.text or ev.logprobs:
+                out.append(chunk(ev.index, {"content": ev.text}, lps=ev.logprobs))
+            return out
         if isinstance(ev, Finished):
             return [chunk(ev.index, {}, ev.finish_reason)]
         return []
@@ -133,6 +153,10 @@ async def completions(body: CompletionRequest, request: Request):
     st.check_n(body.n * len(prompts))
     sampling = st.sampling(body, body.max_tokens, body.stop)
     n_lps = body.logprobs if body.logprobs is not None else body.n_probs
+    if body.suffix is not None:  # fill in the middle, as /infill builds it
+        suffix, n_predict = body.suffix, body.max_tokens or -1
+        prompts = await st.scheduler.call(lambda m: [
+            m.infill_tokens(p, suffix, n_predict=n_predict) for p in prompts])
     spec = GenerationSpec([Prompt(text=p, param="prompt") if isinstance(p, str)
                            else Prompt(ids=p, param="prompt") for p in prompts],
                           sampling, n=body.n, logprobs=n_lps is not None,

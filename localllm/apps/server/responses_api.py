@@ -34,6 +34,10 @@ class _Turn:
         self.sampling = sampling
         self.id = new_id("resp_")
         self.msg_id = new_id("msg_")
+        self.rs_id = new_id("rs_")
+        self.reasoning: list[str] = []
+        self.effort = body.reasoning.effort if body.reasoning else None
+        self.shown: list[str] = []     # streamed: the output items begun, in order
         self.created = int(time.time())
         self.input = history + body.input_messages()  # the conversation, without instructions
         self.logprobs = LOGPROBS_INCLUDE in (body.include or [])
@@ -51,6 +55,7 @@ class _Turn:
     def add(self, ev: Event) -> None:
         if isinstance(ev, Piece):
             self.text.append(ev.text)
+            self.reasoning.append(ev.reasoning)
             self.lps += ev.logprobs or []
         elif isinstance(ev, Finished):
             self.finish = ev.finish_reason
@@ -66,6 +71,17 @@ class _Turn:
         content = [self.part()] if status != "in_progress" else []
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
                 "content": content}
+
+    def reasoning_item(self, status: str) -> dict:
+        """The model's thinking as a reasoning output item (its text as reasoning_text)."""
+        content = [{"type": "reasoning_text", "text": "".join(self.reasoning)}] \
+            if status != "in_progress" else []
+        return {"type": "reasoning", "id": self.rs_id, "status": status, "summary": [],
+                "content": content}
+
+    def outputs(self, status: str) -> list[dict]:
+        items = [self.reasoning_item(status)] if "".join(self.reasoning) else []
+        return items + [self.item(status)]
 
     def status(self) -> str:
         if self.finish is None:
@@ -84,10 +100,10 @@ class _Turn:
             else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
             "model": self.st.served_name(b.model),
-            "output": [self.item("completed" if status == "completed" else "incomplete")]
+            "output": self.outputs("completed" if status == "completed" else "incomplete")
             if status != "in_progress" else [],
             "parallel_tool_calls": False, "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": b.store,
+            "reasoning": {"effort": self.effort, "summary": None}, "store": b.store,
             "temperature": s.get("temperature"), "top_p": s.get("top_p"),
             "text": {"format": _format_echo(b)},
             "tool_choice": "none", "tools": [], "truncation": "disabled",
@@ -95,7 +111,7 @@ class _Turn:
             "usage": {"input_tokens": u.prompt_tokens,
                       "input_tokens_details": {"cached_tokens": u.cached_tokens},
                       "output_tokens": u.completion_tokens,
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                       "total_tokens": u.prompt_tokens + u.completion_tokens}
             if status != "in_progress" else None,
         }
@@ -127,10 +143,12 @@ async def create_response(body: ResponsesRequest, request: Request):
                            "previous_response_not_found", "previous_response_id")
         history = prev.messages
     turn = _Turn(st, body, st.sampling(body, body.max_output_tokens, None), history)
-    spec = GenerationSpec([Prompt(messages=turn.messages(), param="input")], turn.sampling,
+    kwargs = {"reasoning_effort": turn.effort} if turn.effort else {}
+    spec = GenerationSpec([Prompt(messages=turn.messages(), param="input",
+                                  template_kwargs=kwargs)], turn.sampling,
                           logprobs=turn.logprobs,
                           top_logprobs=(body.top_logprobs or 0) if turn.logprobs else 0,
-                          output=output)
+                          output=output, split_reasoning=st.settings.reasoning_format != "none")
     job = st.scheduler.submit(spec)
 
     def whole(events: list[Event]) -> JSONResponse:
@@ -154,35 +172,75 @@ def _format_echo(body: ResponsesRequest) -> dict:
 
 
 def _render(turn: _Turn, ev: Event) -> list[str]:
-    """The Responses API's stream events for one job event."""
+    """The Responses API's stream events for one job event. Output items begin when their
+    first text does: the reasoning item (a reasoning model's thinking), then the message."""
     turn.add(ev)
-    where = {"item_id": turn.msg_id, "output_index": 0, "content_index": 0}
     if isinstance(ev, Started):
-        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [turn.event("response.created", response=turn.response()),
-                turn.event("response.in_progress", response=turn.response()),
-                turn.event("response.output_item.added", output_index=0,
-                           item=turn.item("in_progress")),
-                turn.event("response.content_part.added", **where, part=empty)]
+                turn.event("response.in_progress", response=turn.response())]
     if isinstance(ev, Piece):
-        if not ev.text and not ev.logprobs:
-            return []
-        return [turn.event("response.output_text.delta", **where, delta=ev.text,
-                           logprobs=logprob_items(ev.logprobs) if turn.logprobs else [])]
+        out = []
+        if ev.reasoning and "message" not in turn.shown:
+            if "reasoning" not in turn.shown:
+                out += _begin(turn, "reasoning")
+            out.append(turn.event("response.reasoning_text.delta", **_where(turn, "reasoning"),
+                                  delta=ev.reasoning))
+        if ev.text or ev.logprobs:
+            out += _begin_message(turn)
+            out.append(turn.event("response.output_text.delta", **_where(turn, "message"),
+                                  delta=ev.text,
+                                  logprobs=logprob_items(ev.logprobs) if turn.logprobs else []))
+        return out
     if isinstance(ev, Finished):
         turn.store()
+        out = _begin_message(turn)   # a reply of thinking alone still has its message
         part = turn.part()
         final = "response.completed" if turn.status() == "completed" else "response.incomplete"
-        return [turn.event("response.output_text.done", **where, text=part["text"],
-                           logprobs=part["logprobs"]),
-                turn.event("response.content_part.done", **where, part=part),
-                turn.event("response.output_item.done", output_index=0,
-                           item=turn.item(turn.status())),
-                turn.event(final, response=turn.response())]
+        where = _where(turn, "message")
+        return out + [turn.event("response.output_text.done", **where, text=part["text"],
+                                 logprobs=part["logprobs"]),
+                      turn.event("response.content_part.done", **where, part=part),
+                      turn.event("response.output_item.done", output_index=where["output_index"],
+                                 item=turn.item(turn.status())),
+                      turn.event(final, response=turn.response())]
     if isinstance(ev, Failed):  # after the stream began: an error event ends it
         e = ev.error.body()["error"]
         return [turn.event("error", code=e["code"], message=e["message"], param=e["param"])]
     return []
+
+
+def _where(turn: _Turn, kind: str) -> dict:
+    item = turn.rs_id if kind == "reasoning" else turn.msg_id
+    return {"item_id": item, "output_index": turn.shown.index(kind), "content_index": 0}
+
+
+def _begin(turn: _Turn, kind: str) -> list[str]:
+    """Events that add an output item and its (empty) content part."""
+    turn.shown.append(kind)
+    if kind == "reasoning":
+        item, part = turn.reasoning_item("in_progress"), {"type": "reasoning_text", "text": ""}
+    else:
+        item = turn.item("in_progress")
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    where = _where(turn, kind)
+    return [turn.event("response.output_item.added", output_index=where["output_index"],
+                       item=item),
+            turn.event("response.content_part.added", **where, part=part)]
+
+
+def _begin_message(turn: _Turn) -> list[str]:
+    """The message item's start, once; the reasoning item before it is ended first."""
+    if "message" in turn.shown:
+        return []
+    out = []
+    if "reasoning" in turn.shown:
+        where, text = _where(turn, "reasoning"), "".join(turn.reasoning)
+        part = {"type": "reasoning_text", "text": text}
+        out += [turn.event("response.reasoning_text.done", **where, text=text),
+                turn.event("response.content_part.done", **where, part=part),
+                turn.event("response.output_item.done", output_index=where["output_index"],
+                           item=turn.reasoning_item("completed"))]
+    return out + _begin(turn, "message")
 
 
 @router.get("/v1/responses/{response_id}")

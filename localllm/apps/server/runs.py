@@ -11,6 +11,7 @@ import numpy as np
 from dataclasses import dataclass, field
 
 from localllm.errors import LocalLLMError
+from localllm.text.reasoning import Part, ReasoningSplitter, style_of_template
 
 from .errors import APIError, api_error
 from .metrics import Metrics, RequestRecord
@@ -28,6 +29,7 @@ class Prompt:
     text: str | None = None
     ids: list[int] | None = None
     param: str = "messages"     # the request field it came from, for error messages
+    template_kwargs: dict = field(default_factory=dict)   # further template variables
 
 
 @dataclass
@@ -41,6 +43,7 @@ class GenerationSpec:
     add_special: bool = True    # BOS for text prompts, as the model's file asks
     echo: bool = False          # Started carries the prompt's text
     output: "OutputFormat | None" = None   # JSON output, constrained token by token
+    split_reasoning: bool = False   # chat prompts: reasoning apart from the content
 
 
 @dataclass
@@ -81,11 +84,15 @@ class TokenLogprob:
 
 @dataclass
 class Piece:
-    """Text of one choice, with the tokens that produced it."""
+    """Text of one choice, with the tokens that produced it. With split_reasoning, ``text``
+    is the answer only, ``reasoning`` the model's thinking, and ``tool_calls`` holds the
+    messages a harmony model addressed to functions (Part kind 'tool_call')."""
     index: int
     text: str
     tokens: tuple[int, ...]
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[Part] = field(default_factory=list)
 
 
 @dataclass
@@ -93,11 +100,13 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0     # of completion_tokens, those that wrote reasoning
 
     def add(self, other: "Usage") -> None:
         self.prompt_tokens += other.prompt_tokens
         self.cached_tokens += other.cached_tokens
         self.completion_tokens += other.completion_tokens
+        self.reasoning_tokens += other.reasoning_tokens
 
 
 @dataclass
@@ -106,6 +115,7 @@ class Finished:
     index: int
     finish_reason: str
     usage: Usage
+    stop_sequence: str | None = None   # the stop string that ended it, if one did
 
 
 @dataclass
@@ -135,6 +145,8 @@ class _Choice:
     skip: int = 0
     first_at: float | None = None
     last_at: float | None = None
+    splitter: ReasoningSplitter | None = None
+    reasoning_tokens: int = 0
 
 
 @dataclass
@@ -147,6 +159,12 @@ class _Group:
     echo_logprobs: list | None = None
     lead: _Choice | None = None
     forks: list[_Choice] = field(default_factory=list)   # waiting for the lead's prompt
+
+
+def _piece_from_parts(index: int, parts: list[Part], tokens: tuple, logprobs) -> Piece:
+    return Piece(index, "".join(p.text for p in parts if p.kind == "content"), tokens, logprobs,
+                 "".join(p.text for p in parts if p.kind == "reasoning"),
+                 [p for p in parts if p.kind == "tool_call"])
 
 
 def _finite(x: float) -> float:
@@ -178,8 +196,13 @@ class JobRun:
         self.running = False
         seed = spec.sampling.get("seed")
         self._groups: list[_Group] = []
+        style = style_of_template(model.template.source)
         for p, prompt in enumerate(spec.prompts):
             ids = self._tokens(prompt)
+            rendered = None
+            if spec.split_reasoning and prompt.messages is not None:
+                # the prompt's end says whether the template opened the reasoning itself
+                rendered = model.render_chat(prompt.messages, **prompt.template_kwargs)
             echo = None
             if spec.echo:
                 echo = prompt.text if prompt.text is not None else model.detokenize(ids)
@@ -188,7 +211,8 @@ class JobRun:
                 sampling = dict(spec.sampling, top_logprobs=spec.top_logprobs)
                 if seed is not None:  # each choice its own stream, all reproducible
                     sampling["seed"] = (seed + i) % SEED_SPACE
-                choices.append(_Choice(p * spec.n + i, sampling))
+                choices.append(_Choice(p * spec.n + i, sampling, splitter=(
+                    ReasoningSplitter(style, rendered) if rendered is not None else None)))
             self._groups.append(_Group(ids, echo, choices, self._prompt_logprobs(ids)))
 
     def _prompt_logprobs(self, ids: list[int]) -> "list[TokenLogprob] | None":
@@ -216,7 +240,7 @@ class JobRun:
     def _tokens(self, prompt: Prompt) -> list[int]:
         m = self.model
         if prompt.messages is not None:
-            ids = m.chat_tokens(prompt.messages)
+            ids = m.chat_tokens(prompt.messages, **prompt.template_kwargs)
         elif prompt.text is not None:
             ids = m.tokenize(prompt.text, add_special=self.spec.add_special)
         else:
@@ -311,20 +335,41 @@ class JobRun:
                 now = time.perf_counter()
                 c.first_at = c.first_at or now
                 c.last_at = now
-            events.append(Piece(c.index, str(chunk), chunk.tokens, self._logprobs(chunk)))
+            events.append(self._piece_of(c, str(chunk), chunk.tokens, self._logprobs(chunk)))
         if r.error is not None:
             raise r.error
         if r.done:
             events += self._finish(c, FINISH_REASONS.get(r.stats.finish_reason, "length"))
         return events
 
+    @staticmethod
+    def _piece_of(c: _Choice, text: str, tokens: tuple, logprobs) -> Piece:
+        """A choice's new text as a Piece, its reasoning split off when asked for."""
+        if c.splitter is None:
+            return Piece(c.index, text, tokens, logprobs)
+        was = c.splitter.in_reasoning
+        parts = c.splitter.feed(text)
+        piece = _piece_from_parts(c.index, parts, tokens, logprobs)
+        if was and c.splitter.in_reasoning:
+            c.reasoning_tokens += len(tokens)
+        elif piece.reasoning:   # a chunk of several tokens that ends or opens the reasoning
+            share = round(len(tokens) * len(piece.reasoning) / max(len(text), 1))
+            c.reasoning_tokens += max(share, 1)
+        return piece
+
     def _finish(self, c: _Choice, finish_reason: str) -> list[Event]:
         c.finished = True
+        events: list[Event] = []
+        if c.splitter is not None:   # what the splitter held back, before the end
+            rest = _piece_from_parts(c.index, c.splitter.finish(), (), None)
+            if rest.text or rest.reasoning or rest.tool_calls:
+                events.append(rest)
         if c.seq is not None:
             c.seq.release()
             c.seq = None
         s = c.req.stats if c.req is not None else None
-        usage = Usage(s.prompt_tokens, s.cached_tokens, s.generated_tokens) if s else Usage()
+        usage = (Usage(s.prompt_tokens, s.cached_tokens, s.generated_tokens,
+                       min(c.reasoning_tokens, s.generated_tokens)) if s else Usage())
         ttft = c.first_at - self.submitted if c.first_at is not None and c.index == 0 else None
         tpot = ((c.last_at - c.first_at) / (usage.completion_tokens - 1)
                 if c.first_at is not None and usage.completion_tokens > 1 else None)
@@ -333,7 +378,18 @@ class JobRun:
                 s.generate_seconds) if s else ()
         self.metrics.record(RequestRecord(usage.prompt_tokens, usage.cached_tokens,
                                           usage.completion_tokens, ttft, tpot, *spec))
-        return [Finished(c.index, finish_reason, usage)]
+        return events + [Finished(c.index, finish_reason, usage, self._stop_string(c, s))]
+
+    def _stop_string(self, c: _Choice, s) -> str | None:
+        """The stop string that ended a choice: it ended 'stop' on a token that does not end
+        generation, and the first stop string in its tokens' text is the one matched."""
+        stops = c.sampling.get("stop") or []
+        if not stops or s is None or s.finish_reason != "stop" or not s.tokens \
+                or self.model.tokenizer.is_eog(s.tokens[-1]):
+            return None
+        text = self.model.detokenize(s.tokens)
+        found = [(text.find(x), x) for x in stops if x in text]
+        return min(found)[1] if found else None
 
     def _release(self, batcher, pin_seeds: bool) -> None:
         for g in self._groups:

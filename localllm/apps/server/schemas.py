@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+# Template variables a request may not set through chat_template_kwargs: the server's own.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token",
+                                    "eos_token"})
+REASONING_FORMATS = ("none", "deepseek", "auto")
 
 
 class _Body(BaseModel):
@@ -24,7 +28,6 @@ UNSUPPORTED = {
     "functions": "function calling is not supported by this server",
     "audio": "audio output is not supported by this server",
     "web_search_options": "web search is not supported by this server",
-    "suffix": "text insertion is not supported by this server",
     "background": "background responses are not supported by this server",
     "conversation": "stored conversations are not supported (use previous_response_id)",
     "prompt": "stored prompt templates are not supported by this server",
@@ -72,10 +75,23 @@ def content_text(content: Content | None) -> str:
     return "\n".join(p.text or "" for p in content)
 
 
-def template_message(role: str, content: Content | None) -> dict:
+def template_message(role: str, content: Content | None, reasoning: str | None = None) -> dict:
     """A message as chat templates take it. 'developer' is the newer name of 'system',
-    which is the only one templates know."""
-    return {"role": "system" if role == "developer" else role, "content": content_text(content)}
+    which is the only one templates know. An earlier answer's reasoning goes in both names
+    templates read it by: ``reasoning_content`` (Qwen3, DeepSeek) and ``thinking`` (gpt-oss)."""
+    m = {"role": "system" if role == "developer" else role, "content": content_text(content)}
+    if reasoning:
+        m["reasoning_content"] = m["thinking"] = reasoning
+    return m
+
+
+def check_template_kwargs(value: dict | None) -> dict | None:
+    """Refuse template variables the server sets itself."""
+    taken = sorted(RESERVED_TEMPLATE_VARS & set(value or ()))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} cannot be set here: the server sets "
+                         f"{'it' if len(taken) == 1 else 'them'} itself")
+    return value
 
 
 class ChatMessage(_Body):
@@ -84,6 +100,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[Any] | None = None
     function_call: Any = None
+    reasoning_content: str | None = None   # an earlier answer's reasoning, for the template
 
     @model_validator(mode="after")
     def _supported(self):
@@ -94,7 +111,7 @@ class ChatMessage(_Body):
         return self
 
     def as_template_message(self) -> dict:
-        return template_message(self.role, self.content)
+        return template_message(self.role, self.content, self.reasoning_content)
 
 
 # ----------------------------------------------------------------------------- output format
@@ -212,6 +229,11 @@ class ChatCompletionRequest(ChatFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    # reasoning: the effort (templates that take it, e.g. gpt-oss), further template
+    # variables (e.g. {"enable_thinking": false}), and whether it is split from the content
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: Literal[REASONING_FORMATS] | None = None
     # Declared only to be refused when set: each would change what the answer means.
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -222,6 +244,14 @@ class ChatCompletionRequest(ChatFields):
 
     _unsupported = field_validator("tools", "functions", "audio", "web_search_options")(_refuse)
     _tool_choice = field_validator("tool_choice")(_no_tool_choice)
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
+    def template_kwargs(self) -> dict:
+        """The variables this request adds to the chat template's rendering."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kw["reasoning_effort"] = self.reasoning_effort
+        return kw
 
     @field_validator("modalities")
     @classmethod
@@ -243,9 +273,7 @@ class CompletionRequest(ChatFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
-
-    _unsupported = field_validator("suffix")(_refuse)
+    suffix: str | None = None   # fill in the middle: the prompt is the prefix
 
     @model_validator(mode="after")
     def _meaning(self):
@@ -299,6 +327,12 @@ class TextConfig(_Body):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(_Body):
+    """``reasoning`` of the Responses API: the effort goes to templates that read it."""
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(SamplingFields):
     model: str | None = None
     input: str | list[InputMessage]
@@ -308,6 +342,7 @@ class ResponsesRequest(SamplingFields):
     stream: bool = False
     store: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = None
     metadata: dict[str, str] | None = None

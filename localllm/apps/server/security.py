@@ -15,12 +15,14 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import error_body
+from .errors import anthropic_error_body, error_body
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
                             "ip6-loopback"})
 # Reachable without a key, so that a supervisor can probe readiness.
 OPEN_PATHS = frozenset({"/health"})
+# Anthropic's API: its clients send the key as x-api-key and read errors in its shape.
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 def is_loopback(host: str) -> bool:
@@ -67,8 +69,12 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-async def _send_error(send, status: int, message: str, code: str, headers=()) -> None:
-    body = json.dumps(error_body(status, message, code)).encode()
+async def _send_error(send, status: int, message: str, code: str, headers=(),
+                      path: str = "") -> None:
+    if path.startswith(ANTHROPIC_PATHS):
+        body = json.dumps(anthropic_error_body(status, message)).encode()
+    else:
+        body = json.dumps(error_body(status, message, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *headers]})
@@ -101,21 +107,27 @@ class GuardMiddleware:
         if not self.hosts.allows(host):
             return await _send_error(
                 send, 403, f"Host {host!r} is not allowed; start the server with "
-                           "--allow-host NAME to accept it", "host_not_allowed")
+                           "--allow-host NAME to accept it", "host_not_allowed",
+                path=scope["path"])
         if self.key is not None and scope["method"] != "OPTIONS" \
                 and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             return await _send_error(send, 401, "a valid API key is needed: send "
-                                     "'Authorization: Bearer KEY'", "invalid_api_key",
-                                     [(b"www-authenticate", b"Bearer")])
+                                     "'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                                     "invalid_api_key", [(b"www-authenticate", b"Bearer")],
+                                     path=scope["path"])
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await _send_error(send, 413, self._too_large(), "request_too_large")
+            return await _send_error(send, 413, self._too_large(), "request_too_large",
+                                     path=scope["path"])
         await self.app(scope, self._limited(receive, send), send)
 
     def _authorized(self, scope) -> bool:
-        auth = _header(scope, b"authorization") or ""
-        scheme, _, token = auth.partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        auth = _header(scope, b"authorization")
+        if auth is None:   # Anthropic's clients send the key in a header of its own
+            given = (_header(scope, b"x-api-key") or "").strip().encode()
+        else:
+            scheme, _, token = auth.partition(" ")
+            given = token.strip().encode() if scheme.lower() == "bearer" else b""
         # compare_digest takes time independent of where the two differ
         return hmac.compare_digest(hashlib.sha256(given).digest(), self.key)
 

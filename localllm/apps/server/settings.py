@@ -30,6 +30,8 @@ class ServerSettings:
         load: keyword arguments of ``localllm.load`` (context size, threads, KV types...).
         sampling: the default SamplingParams fields, for what a request leaves out.
         shutdown_grace: seconds in-flight streams get to end after SIGTERM/SIGINT.
+        reasoning_format: "none" leaves a model's reasoning in the content; "deepseek" and
+            "auto" return it apart (``reasoning_content``, thinking blocks).
         verbose: log each request.
         aliases: more names /v1/models lists for the model (--alias).
         strict_model: refuse (404) requests naming another model; otherwise any name is
@@ -53,6 +55,7 @@ class ServerSettings:
     load: dict = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
     shutdown_grace: float = 3.0
+    reasoning_format: str = "auto"
     verbose: bool = False
     aliases: list[str] = field(default_factory=list)
     strict_model: bool = False
@@ -78,6 +81,9 @@ class ServerSettings:
                              f"got {self.request_timeout:g}")
         if self.api_key is not None and (not self.api_key.strip() or len(self.api_key) > 4096):
             raise ValueError("the API key is empty or longer than 4096 characters")
+        if self.reasoning_format not in ("none", "deepseek", "auto"):
+            raise ValueError(f"--reasoning-format must be none, deepseek or auto, "
+                             f"got {self.reasoning_format!r}")
         for origin in self.cors_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(f"--cors-origin wants an origin such as http://localhost:3000, "

@@ -15,6 +15,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
+from localllm.text.reasoning import ReasoningSplitter, style_of_template
+
 # What the app did before a turn (ReplyRequest.cause), as the reuse note names it; the
 # history changes make every token after the change new, the rest are branch moves.
 CAUSES = {"branch": "branch switch", "edit": "edited message", "regen": "regenerated reply",
@@ -63,6 +65,7 @@ class ReplyStats:
     accepted_tokens: int = 0         # ... those accepted, ...
     tokens_per_pass: float = 0.0     # ... tokens per forward pass, and the speedup over
     speedup: float = 0.0             # plain decoding (0: not measured)
+    reasoning_tokens: int = 0        # of generated_tokens, those that wrote the thinking
 
     def as_meta(self) -> dict:
         return dict(self.__dict__)
@@ -70,9 +73,45 @@ class ReplyStats:
 
 @dataclass
 class Reply:
-    text: str
+    text: str                        # the answer (a reasoning model's thinking apart)
     stats: ReplyStats
     usage: ContextUsage
+    reasoning: str = ""
+
+
+class _Thinking:
+    """A reply's thinking apart from its answer (<think> tags, harmony channels)."""
+
+    def __init__(self, model, messages: list[dict], on_reasoning):
+        self.splitter = ReasoningSplitter(style_of_template(model.template.source),
+                                          model.render_chat(messages))
+        self.on_reasoning = on_reasoning
+        self.text: list[str] = []
+        self.tokens = 0
+
+    def feed(self, piece: str, n_tokens: int) -> str:
+        """Returns: the answer's text in a piece (its thinking goes to on_reasoning)."""
+        was = self.splitter.in_reasoning
+        parts = self.splitter.feed(piece)
+        if was or self.splitter.in_reasoning or any(p.kind == "reasoning" for p in parts):
+            self.tokens += n_tokens
+        return self._route(parts)
+
+    def finish(self) -> str:
+        return self._route(self.splitter.finish())
+
+    def _route(self, parts) -> str:
+        answer = []
+        for p in parts:
+            if p.kind == "reasoning":
+                self.text.append(p.text)
+                if self.on_reasoning is not None:
+                    self.on_reasoning(p.text, self.tokens)
+            elif p.kind == "content":
+                answer.append(p.text)
+            else:   # a harmony call to a function: the chat has no tools, show it as text
+                answer.append(f"{p.name} {p.text}")
+        return "".join(answer)
 
 
 def _common_prefix(a, b) -> int:
@@ -119,7 +158,8 @@ class ChatModel:
                             kv_type=kv_type)
 
     def reply(self, messages: list[dict], sampling: dict, cancel: threading.Event,
-              on_chunk: Callable[[str, int, ContextUsage], None], cause: str = "") -> Reply:
+              on_chunk: Callable[[str, int, ContextUsage], None], cause: str = "",
+              on_reasoning: Callable[[str, int], None] | None = None) -> Reply:
         """Stream the assistant's answer to ``messages``.
 
         Args:
@@ -130,6 +170,8 @@ class ChatModel:
                 context in use.
             cause: a key of CAUSES (or ""): what the app did before this turn, to explain
                 recomputed tokens.
+            on_reasoning: called with each piece of a reasoning model's thinking and the
+                tokens of thinking so far (the thinking is never passed to on_chunk).
         Returns:
             The reply text, its statistics and the context in use after it.
         """
@@ -143,18 +185,25 @@ class ChatModel:
         tokens: list[int] = []
         t_first = t_last = 0.0
         cancelled = False
+        thinking = _Thinking(self.model, messages, on_reasoning)
         try:
             gen = self.model.generate(ids, seq=seq, **params)
             try:
                 for chunk in gen:
                     t_last = time.perf_counter()
                     t_first = t_first or t_last
-                    pieces.append(str(chunk))
                     tokens.extend(chunk.tokens)
-                    on_chunk(str(chunk), len(tokens), self.context(len(ids) + len(tokens)))
+                    text = thinking.feed(str(chunk), len(chunk.tokens))
+                    pieces.append(text)
+                    if text:
+                        on_chunk(text, len(tokens), self.context(len(ids) + len(tokens)))
                     if cancel.is_set():
                         cancelled = True
                         break
+                rest = thinking.finish()
+                if rest:
+                    pieces.append(rest)
+                    on_chunk(rest, len(tokens), self.context(len(ids) + len(tokens)))
             finally:
                 gen.close()
         finally:
@@ -168,13 +217,15 @@ class ChatModel:
                            time_to_first_token=(t_first - t0) if t_first else 0.0,
                            finish_reason=finish, seed=s.seed, draft_tokens=s.draft_tokens,
                            accepted_tokens=s.accepted_tokens,
-                           tokens_per_pass=s.tokens_per_pass, speedup=s.speedup)
+                           tokens_per_pass=s.tokens_per_pass, speedup=s.speedup,
+                           reasoning_tokens=min(thinking.tokens, len(tokens)))
         stats.generate_tps = s.generate_tps if not cancelled else (
             (len(tokens) - 1) / (t_last - t_first) if len(tokens) > 1 and t_last > t_first
             else 0.0)
         stats.reuse_note = self._reuse_note(ids, base, s.cached_tokens, cause)
         self._seen.append(ids + tokens)
-        return Reply("".join(pieces), stats, self.context(len(ids) + len(tokens)))
+        return Reply("".join(pieces), stats, self.context(len(ids) + len(tokens)),
+                     "".join(thinking.text))
 
     def _sequence_for(self, ids: list[int], max_tokens: int):
         """The Sequence to run ``ids`` on, and the tokens it held: the tip sharing the

@@ -11,7 +11,7 @@ from .adapter import ChatModel
 from .composer import Composer
 from .config import DEFAULT_KEYS
 from .events import (ContextFull, Counted, EngineFailed, Loaded, ReplyChunk, ReplyDone,
-                     ReplyStarted, SummaryDone)
+                     ReplyStarted, ReplyThinking, SummaryDone)
 from .handlers import Commands
 from .keys import driver_for
 from .replies import Replies
@@ -41,6 +41,7 @@ class ChatApp(App):
     MessageView:focus { background: $boost; }
     MessageView.dropped { opacity: 60%; }
     MessageView .header { color: $text-muted; }
+    MessageView .thinking { color: $text-muted; text-style: italic; }
     MessageView Markdown { margin: 0; padding: 0; }
     MessageView Markdown > *:last-child { margin-bottom: 0; }
     NoteView { color: $text-muted; padding: 0 1; margin: 0 0 1 0; }
@@ -135,6 +136,9 @@ class ChatApp(App):
     async def on_reply_chunk(self, event: ReplyChunk) -> None:
         await self.replies.on_reply_chunk(event)
 
+    def on_reply_thinking(self, event: ReplyThinking) -> None:
+        self.replies.on_reply_thinking(event)
+
     async def on_reply_done(self, event: ReplyDone) -> None:
         await self.replies.on_reply_done(event)
 
@@ -154,6 +158,12 @@ class ChatApp(App):
 
     async def action_interrupt(self) -> None:
         await self.input.interrupt()
+
+    def action_toggle_thinking(self) -> None:
+        """Show or fold the thinking of the focused reply."""
+        view = self.chat_view.focused_message()
+        if view is not None:
+            view.toggle_thinking()
 
     async def action_branch(self, delta: int) -> None:
         await self.input.branch(delta)

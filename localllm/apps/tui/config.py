@@ -28,6 +28,7 @@ DEFAULT_KEYS: dict[str, str] = {
     "copy_code": "y",
     "edit": "e",
     "regen": "r",
+    "thinking": "t",
     "help": "f1",
 }
 
@@ -45,6 +46,7 @@ KEY_HELP: dict[str, str] = {
     "copy_code": "copy the message's code blocks (on a message)",
     "edit": "edit the message: sending makes a branch (on a user message)",
     "regen": "regenerate the reply as a new branch (on a reply)",
+    "thinking": "show or fold a reply's thinking (on a reply of a reasoning model)",
     "help": "help",
 }
 

@@ -43,6 +43,14 @@ class ReplyChunk(TextualMessage):
         self.text, self.tokens, self.usage = text, tokens, usage
 
 
+class ReplyThinking(TextualMessage):
+    """A piece of a reasoning model's thinking, and the tokens of thinking so far."""
+
+    def __init__(self, text: str, tokens: int):
+        super().__init__()
+        self.text, self.tokens = text, tokens
+
+
 class ReplyDone(TextualMessage):
     """The reply ended (finished, stopped or cut by a full context)."""
 

@@ -13,7 +13,7 @@ from textual.app import App
 from .adapter import ChatModel, ContextUsage, EngineThread, ModelInfo, ReplyStats
 from .composer import Composer
 from .events import (ContextFull, Counted, EngineFailed, Loaded, ReplyChunk, ReplyDone,
-                     ReplyRequest, ReplyStarted, SummaryDone)
+                     ReplyRequest, ReplyStarted, ReplyThinking, SummaryDone)
 from .state import ChatState
 from .store import StoreError
 from .tree import Message
@@ -176,7 +176,8 @@ class Replies:
             parent_id = self.app.call_from_thread(self._store_user, req).id
         post(ReplyStarted(parent_id, cm.context(needed)))
         reply = cm.reply(req.messages, req.sampling, self.cancel,
-                         lambda text, n, usage: post(ReplyChunk(text, n, usage)), req.cause)
+                         lambda text, n, usage: post(ReplyChunk(text, n, usage)), req.cause,
+                         on_reasoning=lambda text, n: post(ReplyThinking(text, n)))
         post(ReplyDone(parent_id, reply))
 
     def _drop_hint(self, messages: list[dict]) -> int | None:
@@ -205,17 +206,25 @@ class Replies:
         await self.view.write(event.text)
         self.usage = event.usage
 
+    def on_reply_thinking(self, event: ReplyThinking) -> None:
+        self.view.think(event.text, event.tokens)
+
     async def on_reply_done(self, event: ReplyDone) -> None:
         view = self.view.take_reply()
         self.generating = False
         reply = event.reply
         if view is not None:
             await view.end_stream()
-        if reply.text or reply.stats.finish_reason != "cancelled":
+        if view is not None:
+            view.thought(reply.stats.reasoning_tokens)
+        if reply.text or reply.reasoning or reply.stats.finish_reason != "cancelled":
             conv = self.state.conv
+            meta = reply.stats.as_meta()
+            if reply.reasoning:   # kept to be shown again, never sent back to the model
+                meta["reasoning"] = reply.reasoning
             try:
                 msg = self.state.store.add_message(conv, event.parent_id, "assistant",
-                                                   reply.text, reply.stats.as_meta())
+                                                   reply.text, meta)
             except StoreError as e:  # e.g. a full disk: the reply stays on screen only
                 await self.view.note(f"{e}: this reply is shown but not stored.", error=True)
             else:

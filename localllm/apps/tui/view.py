@@ -117,6 +117,11 @@ class ConversationLog(VerticalScroll):
         if following:
             self.scroll_end(animate=False)
 
+    def think(self, text: str, tokens: int) -> None:
+        """Add a piece of the streamed reply's thinking (shown collapsed unless opened)."""
+        if self._stream is not None:
+            self._stream.think(text, tokens)
+
     def take_reply(self) -> MessageView | None:
         """The view of the streamed reply, which stops being streamed into (its caller
         ends its stream); None if there is none."""

@@ -110,6 +110,7 @@ class MessageView(Vertical, can_focus=True):
         Binding(DEFAULT_KEYS["copy_code"], "app.copy_code", "Copy code", id="chat.copy_code"),
         Binding(DEFAULT_KEYS["edit"], "app.edit_message", "Edit", id="chat.edit"),
         Binding(DEFAULT_KEYS["regen"], "app.regen_message", "Regenerate", id="chat.regen"),
+        Binding(DEFAULT_KEYS["thinking"], "app.toggle_thinking", "Thinking", id="chat.thinking"),
     ]
 
     def __init__(self, role: str, message: Message | None = None, text: str = ""):
@@ -126,13 +127,47 @@ class MessageView(Vertical, can_focus=True):
                                         else Static("", classes="body", markup=False))
         self._stream = None
         self._text = message.content if message else text
+        # a reasoning model's thinking: one summary line, the text itself when opened
+        meta = message.meta if message else {}
+        self.reasoning = str(meta.get("reasoning", ""))
+        self.reasoning_tokens = int(meta.get("reasoning_tokens", 0) or 0)
+        self.thinking_open = False
+        self._thinking_done = message is not None
+        self.thinking = Static("", classes="thinking", markup=False)
 
     def compose(self):
         yield self.header
+        yield self.thinking
         yield self.body
 
     async def on_mount(self) -> None:
+        self._show_thinking()
         await self._show_text(self._text)
+
+    def _show_thinking(self) -> None:
+        self.thinking.display = bool(self.reasoning)
+        if not self.reasoning:
+            return
+        mark = "▾" if self.thinking_open else "▸"
+        line = (f"{mark} Thought for {self.reasoning_tokens} tokens" if self._thinking_done
+                else f"{mark} Thinking…")
+        self.thinking.update(f"{line}\n{self.reasoning}" if self.thinking_open else line)
+
+    def think(self, text: str, tokens: int) -> None:
+        """Add a piece of the thinking being streamed."""
+        self.reasoning += text
+        self.reasoning_tokens = tokens
+        self._show_thinking()
+
+    def thought(self, tokens: int) -> None:
+        """The thinking has ended (the reply is done): the summary says how long it was."""
+        self.reasoning_tokens, self._thinking_done = tokens, True
+        self._show_thinking()
+
+    def toggle_thinking(self) -> None:
+        """Show or fold the thinking."""
+        self.thinking_open = not self.thinking_open
+        self._show_thinking()
 
     async def _show_text(self, text: str) -> None:
         if isinstance(self.body, Markdown):
