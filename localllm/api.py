@@ -69,7 +69,8 @@ class LoadSettings:
     ctk: str = "f16"                   # KV cache type of keys ...
     ctv: str = "f16"                   # ... and of values (see KV_TYPES)
     kv_block_size: int = 16            # tokens per KV block (a multiple of 16)
-    kv_pool_mb: float = 0              # KV pool limit; 0: two contexts, as memory allows
+    kv_pool_mb: float = 0              # KV pool limit; 0: kv_contexts contexts, as memory allows
+    kv_contexts: int = 2               # full contexts the default KV pool aims to hold
     lookup: int = 0                    # prompt lookup drafts up to this many tokens (0: off)
     draft: str | None = None           # a draft model (path or known name) to speculate with
     draft_max: int = 8                 # the draft model drafts up to this many tokens
@@ -113,7 +114,8 @@ def _make_cpu_backend(settings: LoadSettings) -> CpuBackend:
 def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:
     """What the memory ledger is planned for, from load settings."""
     return PlanRequest(ctx, settings.ctk, settings.ctv, settings.kv_block_size,
-                       max(1, settings.batch_size), settings.kv_pool_mb, settings.gpu_layers)
+                       max(1, settings.batch_size), settings.kv_pool_mb, settings.gpu_layers,
+                       max(1, settings.kv_contexts))
 
 
 def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None

@@ -7,11 +7,13 @@ one line starting with ``error:`` and a non-zero exit code, by its class (see EX
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from localllm.apps.cli_embed import add_embed_parser, cmd_embed
@@ -159,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not show a reasoning model's thinking (shown dimmed on stderr)")
     run.add_argument("--context-shift", action="store_true",
                      help="when the chat does not fit, drop its oldest turns (said on stderr)")
+    out = run.add_mutually_exclusive_group()
+    out.add_argument("--grammar", default=None, metavar="FILE|TEXT",
+                     help="constrain the output to a GBNF grammar (a file, or the text itself)")
+    out.add_argument("--grammar-file", default=None, metavar="FILE",
+                     help="constrain the output to the GBNF grammar in FILE")
+    out.add_argument("-j", "--json-schema", default=None, metavar="FILE|TEXT",
+                     help="constrain the output to JSON valid under a schema (a file, or "
+                          "the schema's JSON text)")
     run.add_argument("--fim-prefix", default=None, metavar="TEXT",
                      help="fill in the middle after this text (the prompt, if any, starts the "
                           "middle; needs a model with FIM tokens)")
@@ -230,8 +240,9 @@ def _add_serve_parser(sub) -> None:
                      help="Host header to accept besides loopback names (repeatable; '*': any)")
     srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="browser origin allowed to call the API (repeatable; default: none)")
-    srv.add_argument("--parallel", type=_positive_int, default=1,
-                     help="requests generated together in each forward pass (default 1)")
+    srv.add_argument("--parallel", type=_positive_int, default=None,
+                     help="requests generated together in each forward pass (default 4, "
+                          "fewer if the KV cache cannot hold a full context for each)")
     srv.add_argument("--max-queue", type=int, default=16,
                      help="requests waiting beyond --parallel; past that 503 (default 16)")
     srv.add_argument("--max-body", type=_positive_int, default=4 << 20, metavar="BYTES",
@@ -241,6 +252,11 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="time a client has to send a request's head, and at most between "
                           "parts of its body (default 10)")
+    srv.add_argument("--alias", action="append", default=[], metavar="NAME",
+                     help="another name /v1/models lists for the model (repeatable)")
+    srv.add_argument("--strict-model", action="store_true",
+                     help="refuse (404) requests naming another model; by default any name "
+                          "is served by the one model")
     srv.add_argument("--reasoning-format", default="auto", choices=("none", "deepseek", "auto"),
                      help="none: a model's reasoning stays in the content; deepseek, auto: "
                           "it comes apart, as reasoning_content (default auto)")
@@ -314,6 +330,32 @@ def _configure(threads: int) -> None:
     configure_process(threads=threads or physical_cores())
 
 
+def _file_or_text(value: str) -> str:
+    """The contents of the file ``value`` names, or ``value`` itself when no such file."""
+    return Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
+
+
+def _run_constraint(args, model):
+    """The TokenConstraint --grammar, --grammar-file or --json-schema asks for (or None).
+
+    Raises:
+        GrammarError: the grammar or schema is bad or unsupported (the message says where).
+    """
+    from localllm.generation.constrain import GrammarError, TokenConstraint
+    if args.grammar_file is not None:
+        return TokenConstraint.gbnf(Path(args.grammar_file).read_text(encoding="utf-8"),
+                                    model.token_vocab)
+    if args.grammar is not None:
+        return TokenConstraint.gbnf(_file_or_text(args.grammar), model.token_vocab)
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_file_or_text(args.json_schema))
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"--json-schema is neither a file nor JSON: {e}") from None
+        return TokenConstraint.json_schema(schema, model.token_vocab)
+    return None
+
+
 def cmd_run(args) -> int:
     from localllm.api import load
     fim = args.fim_prefix is not None or args.fim_suffix is not None
@@ -330,6 +372,9 @@ def cmd_run(args) -> int:
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
     chat = not args.raw and (model.template.from_file or args.chat_template is not None
                              or args.system is not None)
+    constraint = _run_constraint(args, model)
+    if constraint is not None:
+        sampling["constraint"] = constraint
     if fim:
         stream = model.generate(model.infill_tokens(args.fim_prefix or "", args.fim_suffix or "",
                                                     prompt=prompt), **sampling)
@@ -444,11 +489,12 @@ def cmd_serve(args) -> int:
     _configure(model_settings["threads"])
     return serve(ServerSettings(
         model=args.model, host=args.host, port=args.port, api_key=key,
-        allow_hosts=args.allow_host, cors_origins=args.cors_origin, parallel=args.parallel,
+        allow_hosts=args.allow_host, cors_origins=args.cors_origin,
+        parallel=args.parallel or 4, parallel_default=args.parallel is None,
         max_queue=args.max_queue, max_body=args.max_body,
         max_connections=args.max_connections, request_timeout=args.request_timeout,
         load=model_settings, sampling=sampling, reasoning_format=args.reasoning_format,
-        verbose=args.verbose))
+        verbose=args.verbose, aliases=args.alias, strict_model=args.strict_model))
 
 
 # ----------------------------------------------------------------------------- chat

@@ -179,6 +179,7 @@ class PlanRequest:
     batch_size: int = 256
     kv_pool_mb: float = 0
     gpu_layers: int | str = "auto"
+    kv_contexts: int = POOL_CONTEXTS   # full contexts the default pool aims at, as memory allows
 
 
 def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> list:
@@ -280,7 +281,7 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
                 f"{req.ctx}-token context ({req.ctx * per_token / (1 << 20):.1f} MB); raise it "
                 "or lower --ctx-size", param="kv_pool_mb")
     else:
-        tokens = POOL_CONTEXTS * req.ctx
+        tokens = max(1, req.kv_contexts) * req.ctx
         for pool in {d.pool for d in devs}:
             mine = [d for d in devs if d.pool == pool]
             pt = sum(d.kv_per_token for d in mine)

@@ -178,3 +178,25 @@ def test_fetch_offline_is_a_clear_error(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir()) or all(p.name.startswith(".") for p in tmp_path.iterdir())
     with pytest.raises(FetchError, match="unknown model"):
         fetch("nope", tmp_path)
+
+
+def test_run_grammar_and_json_schema(smollm_path, tmp_path):
+    import json
+
+    from localllm.generation.constrain.gbnf import parse_gbnf
+    grammar = 'root ::= ("yes" | "no") "." [ a-z]{0,8}'
+    r = llm("run", "-p", "Is the sky blue?", "--grammar", grammar, "-n", "12", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert parse_gbnf(grammar).matches(r.stdout[:-1])   # the newline after the output
+    f = tmp_path / "g.gbnf"
+    f.write_text(grammar)
+    r2 = llm("run", "-p", "Is the sky blue?", "--grammar", str(f), "-n", "12", "--temp", "0")
+    assert r2.stdout == r.stdout
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"age": {"type": "integer"}},
+                                  "required": ["age"], "additionalProperties": False}))
+    r = llm("run", "-p", "A cat", "-j", str(schema), "-n", "30", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout)["age"], int)
+    r = llm("run", "-p", "x", "--grammar", "root ::= foo")
+    assert r.returncode == 1 and "line 1, column 10" in r.stderr

@@ -24,7 +24,7 @@ QUESTION = [{"role": "user", "content": "Name three rivers."}]
 @pytest.fixture(scope="module")
 def server(smollm_path):
     s = ServerProcess(smollm_path, "-c", "1024", "--max-queue", "2", "--parallel", "1",
-                      api_key=KEY)
+                      "--alias", "my-model", api_key=KEY)
     s.first_health = s.wait_ready()
     yield s
     s.stop()
@@ -62,10 +62,76 @@ def error_of(r: httpx.Response, status: int) -> dict:
 
 def test_models_and_health(server, client, http):
     assert set(server.first_health) <= {200, 503}
-    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m", "my-model"]
     assert http.get("/health").json() == {"status": "ok"}
-    r = http.get("/v1/models/gpt-4")
-    assert error_of(r, 404)["code"] == "model_not_found"
+    assert http.get("/v1/models/gpt-4").json()["id"] == "gpt-4"   # any name is served
+
+
+def test_any_model_name_is_served_and_reported(client):
+    r = client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
+    assert r.model == "gpt-4o"
+    r = client.completions.create(model="my-model", prompt="Hi", max_tokens=2)
+    assert r.model == "my-model"
+
+
+def test_routes_without_the_v1_prefix(server, http):
+    bare = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    try:
+        assert [m.id for m in bare.models.list().data][0] == "smollm2-135m"
+        r = bare.chat.completions.create(model="x", messages=QUESTION, max_tokens=2)
+        assert r.choices[0].message.content is not None
+        assert bare.completions.create(model="x", prompt="Hi", max_tokens=2).choices
+    finally:
+        bare.close()
+    assert http.get("/props").json() == http.get("/v1/props").json()
+    assert http.get("/health").status_code == 200 and http.get("/nothing").status_code == 404
+
+
+def test_props(http):
+    p = http.get("/props").json()
+    assert p["n_ctx"] == 1024 and p["total_slots"] == 1
+    assert p["modalities"] == {"vision": False, "audio": False}
+    assert "<|im_start|>" in p["chat_template"] and p["model_alias"] == "smollm2-135m"
+
+
+def test_llama_cpp_constraints(client, http):
+    from localllm.generation.constrain.gbnf import parse_gbnf
+    grammar = 'root ::= ("yes" | "no") "!" [a-z]{0,3}'
+    r = client.chat.completions.create(model="x", messages=QUESTION, max_tokens=8,
+                                       extra_body={"grammar": grammar})
+    assert parse_gbnf(grammar).matches(r.choices[0].message.content)
+    r = client.completions.create(model="x", prompt="Answer:", max_tokens=8,
+                                  extra_body={"grammar": grammar, "top_k": 20, "min_p": 0.1,
+                                              "repeat_penalty": 1.1, "cache_prompt": True})
+    assert parse_gbnf(grammar).matches(r.choices[0].text)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    for extra in ({"json_schema": schema},
+                  {"response_format": {"type": "json_object", "schema": schema}},
+                  {"response_format": {"type": "json_schema", "schema": schema}}):
+        r = client.chat.completions.create(model="x", messages=QUESTION, max_tokens=40,
+                                           temperature=0, extra_body=extra)
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content)["n"], int)
+    r = http.post("/v1/chat/completions", json={"messages": QUESTION, "grammar": "root ::= x"})
+    err = error_of(r, 400)
+    assert err["param"] == "grammar" and "line 1, column 10" in err["message"]
+    r = http.post("/v1/chat/completions", json={"messages": QUESTION, "grammar": 'root ::= "a"',
+                                                "json_schema": schema})
+    assert error_of(r, 400)["param"] == "json_schema"
+
+
+@pytest.mark.parametrize("field, value", [("mirostat", 2), ("typical_p", 0.5),
+                                          ("dynatemp_range", 0.5), ("n_keep", 10),
+                                          ("dry_multiplier", 0.8)])
+def test_unsupported_llama_cpp_fields_are_refused_by_name(http, field, value):
+    for path, body in (("/v1/chat/completions", {"messages": QUESTION}),
+                       ("/completions", {"prompt": "Hi"})):
+        r = http.post(path, json={**body, field: value, "max_tokens": 2})
+        assert field in error_of(r, 400)["message"]
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "mirostat": 0,
+                                           "typical_p": 1.0})
+    assert r.status_code == 200, r.text   # the values meaning "off" are fine
 
 
 def test_openapi_schema_is_valid(http):
@@ -211,8 +277,6 @@ def test_bad_parameters_get_400(http, body, param):
 
 
 def test_errors_in_openai_shape(client, http):
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4", messages=QUESTION)
     assert error_of(http.post("/v1/chat/completions", content=b"{nope",
                               headers={"content-type": "application/json"}), 400)
     assert error_of(http.get("/v1/nothing"), 404)["type"] == "not_found_error"
@@ -536,7 +600,7 @@ def test_refuses_a_public_address_without_a_key(smollm_path, tmp_path):
 def test_loading_cors_and_shutdown(smollm_path):
     # Repacking the weights (no weight cache) makes the load take seconds: the server is
     # bound and answering meanwhile.
-    s = ServerProcess(smollm_path, "-c", "512", "--no-weight-cache",
+    s = ServerProcess(smollm_path, "-c", "512", "--no-weight-cache", "--strict-model",
                       "--cors-origin", "http://localhost:3000")
     try:
         with httpx.Client(base_url=s.url, timeout=30) as c:
@@ -553,6 +617,11 @@ def test_loading_cors_and_shutdown(smollm_path):
             ok, other = preflight("http://localhost:3000"), preflight("http://evil.example")
         assert ok.headers["access-control-allow-origin"] == "http://localhost:3000"
         assert "access-control-allow-origin" not in other.headers
+        with s.client() as c:   # --strict-model: other names are refused
+            r = c.post("/v1/chat/completions", json={"model": "gpt-4", "messages": QUESTION})
+            assert error_of(r, 404)["code"] == "model_not_found"
+            assert error_of(c.get("/models/gpt-4"), 404)["code"] == "model_not_found"
+            assert c.get("/props").json()["total_slots"] == 4   # --parallel's default
 
         data = []
         body = {"messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -565,5 +634,46 @@ def test_loading_cors_and_shutdown(smollm_path):
         assert data[-1] == "[DONE]" and len(data) < 200
         assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
         s.proc.wait(timeout=15)   # and the process exits
+    finally:
+        s.stop()
+
+
+def test_completion_logprobs_include_the_sampled_token_and_echo(client, http):
+    r = client.completions.create(model="x", prompt="The sky is", max_tokens=4, logprobs=2,
+                                  temperature=0.8, seed=3)
+    lp = r.choices[0].logprobs
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == value and len(top) in (2, 3)
+    prompt_ids = http.post("/tokenize", json={"content": "The sky is"}).json()["tokens"]
+    r = client.completions.create(model="x", prompt="The sky is", max_tokens=3, logprobs=1,
+                                  echo=True, temperature=0)
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(prompt_ids)
+    assert c.text.startswith("The sky is") and len(lp.tokens) == n + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == c.text
+    # the prompt's logprobs are the model's: the same as scoring it with one more token
+    again = client.completions.create(model="x", prompt="The sky is", max_tokens=1,
+                                      logprobs=0, echo=True, temperature=0)
+    assert again.choices[0].logprobs.token_logprobs[1:n] == pytest.approx(
+        lp.token_logprobs[1:n], abs=1e-3)
+    chunks = list(client.completions.create(model="x", prompt="The sky is", max_tokens=3,
+                                            logprobs=1, echo=True, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+
+
+def test_parallel_default_shrinks_to_the_kv_cache(smollm_path):
+    # SmolLM2's KV is 23 KB a token (f16): 20 MB hold one 512-token context, not four.
+    s = ServerProcess(smollm_path, "-c", "512", "--kv-pool-mb", "20")
+    try:
+        s.wait_ready()
+        with s.client() as c:
+            assert c.get("/props").json()["total_slots"] == 1
+        said = "--parallel 1: the KV cache has room for 1 full 512-token context(s), not 4"
+        assert any(said in line for line in s.lines), s.lines
     finally:
         s.stop()

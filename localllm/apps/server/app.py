@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from starlette.routing import Match
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse
 
@@ -37,6 +38,7 @@ def create_app(state: ServerState) -> FastAPI:
                   openapi_url="/openapi.json", lifespan=lifespan,
                   description="A local OpenAI-compatible endpoint.")
     app.state.server = state
+    app.add_middleware(V1Aliases)
     install_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
@@ -74,13 +76,29 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request):
         s = st(request)
-        return JSONResponse({"object": "list", "data": [_model_card(s)]})
+        return JSONResponse({"object": "list",
+                             "data": [_model_card(s, n) for n in s.listed_names()]})
 
     @app.get("/v1/models/{model_id}")
     async def get_model(model_id: str, request: Request):
         s = st(request)
         s.check_model(model_id)
-        return JSONResponse(_model_card(s))
+        return JSONResponse(_model_card(s, model_id))
+
+    @app.get("/v1/props")
+    async def props(request: Request):
+        """The server's properties as llama-server's /props gives them, for clients that
+        read it: the model, its context size and chat template, modalities and slots."""
+        s = st(request)
+        ctx, template = await s.scheduler.call(
+            lambda m: (m.ctx, m.template.source))
+        return JSONResponse({"model_alias": s.model_id, "model_path": s.settings.model or "",
+                             "n_ctx": ctx, "chat_template": template,
+                             "modalities": {"vision": False, "audio": False},
+                             "total_slots": s.scheduler.slots,
+                             "default_generation_settings": {"n_ctx": ctx,
+                                                             "params": s.settings.sampling},
+                             "build_info": f"localllm {__version__}"})
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -122,5 +140,27 @@ def _add_service_routes(app: FastAPI) -> None:
         return JSONResponse({"content": await s.scheduler.call(run)})
 
 
-def _model_card(s: ServerState) -> dict:
-    return {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "localllm"}
+def _model_card(s: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": s.created, "owned_by": "localllm"}
+
+
+class V1Aliases:
+    """Serves /chat/completions, /models, /responses, /props, ... as /v1/...: a path no route
+    has is tried with the /v1 prefix (clients that leave it out, as llama-server allows,
+    reach the same routes)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not scope["path"].startswith("/v1/"):
+            routes = scope["app"].router.routes
+            if not _routed(routes, scope) and _routed(routes, v1 := dict(
+                    scope, path="/v1" + scope["path"])):
+                scope = dict(v1, raw_path=b"/v1" + scope.get("raw_path", b""))
+        await self.app(scope, receive, send)
+
+
+def _routed(routes, scope) -> bool:
+    """Whether some route has the scope's path (for any method)."""
+    return any(r.matches(scope)[0] != Match.NONE for r in routes)

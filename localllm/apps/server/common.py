@@ -71,8 +71,20 @@ class ServerState:
     def model_id(self) -> str:
         return self.settings.model_id
 
+    def listed_names(self) -> list[str]:
+        """What /v1/models lists: the model's name, then its --alias names."""
+        return list(dict.fromkeys([self.model_id, *self.settings.aliases]))
+
+    def served_name(self, name: str | None) -> str:
+        """The ``model`` an answer reports: the name asked for (any, unless --strict-model),
+        else the model's own."""
+        return name or self.model_id
+
     def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not have (no name: the one it has)."""
+        """With --strict-model, 404 for a name this server does not have; otherwise any name
+        is served by the one model (no name: the one it has)."""
+        if not self.settings.strict_model:
+            return
         if name is not None and name not in self.model_names:
             raise APIError(404, f"the model {name!r} does not exist; this server has "
                                 f"{self.model_id!r}", "model_not_found", "model")
@@ -93,6 +105,7 @@ class ServerState:
         given = {"temperature": req.temperature, "top_p": req.top_p, "min_p": req.min_p,
                  "repeat_penalty": req.repeat_penalty, "presence_penalty": req.presence_penalty,
                  "frequency_penalty": req.frequency_penalty, "max_tokens": max_tokens,
+                 "repeat_last_n": req.repeat_last_n,
                  "stop": stop}
         s.update({k: v for k, v in given.items() if v is not None})
         if req.top_k is not None:
@@ -107,6 +120,32 @@ class ServerState:
         except ValueError as e:   # BadSetting, by the table
             raise request_error(e) from None
         return s
+
+
+def constrained_output(body) -> OutputFormat | None:
+    """The output format of a chat or completions request: llama.cpp's ``grammar`` (GBNF) or
+    ``json_schema``, or ``response_format`` (OpenAI's shape or llama.cpp's).
+
+    Raises:
+        APIError: 400 when more than one of them is given.
+    """
+    fmt = getattr(body, "response_format", None)
+    given = [k for k, v in (("grammar", body.grammar), ("json_schema", body.json_schema),
+                            ("response_format", fmt if fmt and fmt.type != "text" else None))
+             if v is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give one of grammar, json_schema and response_format (got "
+                            f"{', '.join(given)})", "invalid_request_error", given[1])
+    if body.grammar is not None:
+        return OutputFormat("grammar", None, "grammar", grammar=body.grammar)
+    if body.json_schema is not None:
+        return OutputFormat("json_schema", body.json_schema, "json_schema")
+    if fmt is None:
+        return None
+    schema = fmt.schema()
+    if fmt.type == "json_object" and schema is not None:   # llama.cpp's shape
+        return OutputFormat("json_schema", schema, "response_format")
+    return output_format(fmt.type, schema, "response_format")
 
 
 def output_format(kind: str, schema: dict | None, param: str) -> OutputFormat | None:

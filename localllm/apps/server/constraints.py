@@ -1,4 +1,4 @@
-"""JSON output as token constraints: one compiled per output format (the server has one model)
+"""Constrained output (JSON, a schema, a GBNF grammar) as token constraints: one compiled per output format (the server has one model)
 and copied for each choice; copies share the masks they learn, so a schema that comes again
 pays for its first masks once."""
 
@@ -26,7 +26,8 @@ class Constraints:
         Raises:
             APIError: 400 for a schema the grammar compiler does not support, naming why.
         """
-        key = fmt.kind if fmt.kind == "json_object" else json.dumps(fmt.schema, sort_keys=True)
+        key = fmt.kind if fmt.kind == "json_object" else (
+            "gbnf:" + fmt.grammar if fmt.kind == "grammar" else json.dumps(fmt.schema, sort_keys=True))
         c = self._items.get(key)
         if c is not None:
             self._items.move_to_end(key)
@@ -34,12 +35,14 @@ class Constraints:
         try:
             if fmt.kind == "json_object":
                 c = TokenConstraint.json_object(model.token_vocab)
+            elif fmt.kind == "grammar":
+                c = TokenConstraint.gbnf(fmt.grammar, model.token_vocab)
             else:
                 c = TokenConstraint.json_schema(fmt.schema, model.token_vocab)
         except GrammarError as e:
             raise api_error(e, fmt.param) from None
         except RecursionError:
-            raise api_error(GrammarError("the schema is nested too deeply"), fmt.param) from None
+            raise api_error(GrammarError("the schema or grammar is nested too deeply"), fmt.param) from None
         self._items[key] = c
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)

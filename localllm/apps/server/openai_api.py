@@ -7,8 +7,8 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from .common import (ServerState, event_stream, logprob_items, new_id, output_format, respond,
-                     sse, total_usage, usage_body)
+from .common import (ServerState, constrained_output, event_stream, logprob_items, new_id,
+                     respond, sse, total_usage, usage_body)
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -35,7 +35,7 @@ class _Choices:
             if isinstance(ev, Started):
                 self.text[ev.index] = [ev.prompt_text or ""]
                 self.reasoning[ev.index] = []
-                self.logprobs[ev.index] = []
+                self.logprobs[ev.index] = list(ev.prompt_logprobs or [])
             elif isinstance(ev, Piece):
                 self.text[ev.index].append(ev.text)
                 self.reasoning[ev.index].append(ev.reasoning)
@@ -69,17 +69,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
     st.check_model(body.model)
     st.check_n(body.n)
-    fmt = body.response_format
-    output = output_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None,
-                           "response_format") if fmt else None
+    output = constrained_output(body)
     sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
     messages = [m.as_template_message() for m in body.messages]
+    top = body.top_logprobs if body.top_logprobs is not None else (body.n_probs or 0)
     spec = GenerationSpec([Prompt(messages=messages, template_kwargs=body.template_kwargs())],
                           sampling, n=body.n, logprobs=body.logprobs,
-                          top_logprobs=body.top_logprobs or 0, output=output,
+                          top_logprobs=top if body.logprobs else 0, output=output,
                           split_reasoning=split_reasoning(st, body.reasoning_format))
     job = st.scheduler.submit(spec)
-    head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": st.model_id,
+    head = {"id": new_id("chatcmpl-"), "created": int(time.time()),
+            "model": st.served_name(body.model),
             "system_fingerprint": st.fingerprint}
 
     def whole(events: list[Event]) -> JSONResponse:
@@ -128,13 +128,17 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
 
 def _legacy_logprobs(lps, offset: int) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their log-probabilities and
-    their character offsets in the choice's text."""
+    their character offsets in the choice's text. The sampled token is always among its
+    position's top_logprobs (as OpenAI's are); an echoed prompt's first token has none."""
     tokens, values, offsets, tops = [], [], [], []
     for t in lps:
         tokens.append(t.token)
         values.append(t.logprob)
         offsets.append(offset)
-        tops.append({a.token: a.logprob for a in t.top})
+        top = {a.token: a.logprob for a in t.top}
+        if t.logprob is not None:
+            top.setdefault(t.token, t.logprob)
+        tops.append(top if t.logprob is not None else None)
         offset += len(t.token)
     return {"tokens": tokens, "token_logprobs": values,
             "top_logprobs": tops if any(tops) else None, "text_offset": offsets}
@@ -148,18 +152,20 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = body.prompts()
     st.check_n(body.n * len(prompts))
     sampling = st.sampling(body, body.max_tokens, body.stop)
+    n_lps = body.logprobs if body.logprobs is not None else body.n_probs
     if body.suffix is not None:  # fill in the middle, as /infill builds it
         suffix, n_predict = body.suffix, body.max_tokens or -1
         prompts = await st.scheduler.call(lambda m: [
             m.infill_tokens(p, suffix, n_predict=n_predict) for p in prompts])
     spec = GenerationSpec([Prompt(text=p, param="prompt") if isinstance(p, str)
                            else Prompt(ids=p, param="prompt") for p in prompts],
-                          sampling, n=body.n, logprobs=body.logprobs is not None,
-                          top_logprobs=body.logprobs or 0, echo=body.echo)
+                          sampling, n=body.n, logprobs=n_lps is not None,
+                          top_logprobs=n_lps or 0, echo=body.echo,
+                          output=constrained_output(body))
     job = st.scheduler.submit(spec)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
-            "model": st.model_id, "system_fingerprint": st.fingerprint}
-    want_lps = body.logprobs is not None
+            "model": st.served_name(body.model), "system_fingerprint": st.fingerprint}
+    want_lps = n_lps is not None
 
     def whole(events: list[Event]) -> JSONResponse:
         got = _Choices(events)
@@ -167,8 +173,9 @@ async def completions(body: CompletionRequest, request: Request):
         for i in got.indexes():
             echo = got.text[i][0]
             choices.append({"index": i, "text": "".join(got.text[i]),
-                            "logprobs": _legacy_logprobs(got.logprobs[i], len(echo)) if want_lps
-                            else None,
+                            "logprobs": _legacy_logprobs(
+                                got.logprobs[i], 0 if body.echo else len(echo))
+                            if want_lps else None,
                             "finish_reason": got.finish.get(i, "length")})
         return JSONResponse({**head, "choices": choices,
                              "usage": usage_body(total_usage(events, body.n))})
@@ -195,7 +202,8 @@ def _completion_stream(first: Event, job, head: dict, n: int, logprobs: bool,
     def render(ev: Event) -> list[str]:
         events.append(ev)
         if isinstance(ev, Started):
-            return [chunk(ev.index, ev.prompt_text)] if ev.prompt_text else []
+            return [chunk(ev.index, ev.prompt_text, lps=ev.prompt_logprobs)] \
+                if ev.prompt_text else []
         if isinstance(ev, Piece):
             return [chunk(ev.index, ev.text, lps=ev.logprobs)] if ev.text or ev.logprobs else []
         if isinstance(ev, Finished):

@@ -99,7 +99,7 @@ class _Turn:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
             else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-            "model": self.st.model_id,
+            "model": self.st.served_name(b.model),
             "output": self.outputs("completed" if status == "completed" else "incomplete")
             if status != "in_progress" else [],
             "parallel_tool_calls": False, "previous_response_id": b.previous_response_id,

@@ -79,7 +79,7 @@ def serve(settings: ServerSettings) -> int:
     from localllm.api import load
     path = resolve_model_path(settings.model, settings.load.get("models_dir"))
     settings.model_id = settings.model_id or model_id_for(settings.model, path)
-    names = frozenset({settings.model_id, path.name, path.stem,
+    names = frozenset({settings.model_id, path.name, path.stem, *settings.aliases,
                        *([settings.model] if settings.model else [])})
     logging.basicConfig(level=logging.INFO if settings.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -92,7 +92,15 @@ def serve(settings: ServerSettings) -> int:
 
     def load_model():
         t0 = time.perf_counter()
-        m = load(path, **settings.load)
+        load_kw = dict(settings.load)
+        if not load_kw.get("kv_pool_mb"):   # room for each slot's full context, memory allowing
+            load_kw.setdefault("kv_contexts", max(2, settings.parallel))
+        m = load(path, **load_kw)
+        fits = max(1, m.plan.pool_tokens // max(1, m.ctx))
+        if settings.parallel_default and fits < settings.parallel:
+            print(f"--parallel {fits}: the KV cache has room for {fits} full {m.ctx}-token "
+                  f"context(s), not {settings.parallel}", file=sys.stderr, flush=True)
+            scheduler.limits.parallel = fits
         print(f"model ready: {settings.model_id} (ctx {m.ctx}, {m.plan.summary()}, loaded in "
               f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         return m

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from localllm.errors import LocalLLMError
@@ -46,11 +48,12 @@ class GenerationSpec:
 
 @dataclass
 class OutputFormat:
-    """Output that must be JSON: any object ('json_object') or a value valid under a schema
-    ('json_schema')."""
+    """Constrained output: any JSON object ('json_object'), a value valid under a schema
+    ('json_schema') or text a GBNF grammar matches ('grammar')."""
     kind: str
     schema: dict | None = None
     param: str = "response_format"   # the request field it came from
+    grammar: str | None = None
 
 
 # ----------------------------------------------------------------------------- events
@@ -61,6 +64,7 @@ class Started:
     index: int
     prompt_tokens: int
     prompt_text: str | None = None
+    prompt_logprobs: "list[TokenLogprob] | None" = None   # echo with logprobs; first is None
 
 
 @dataclass
@@ -152,6 +156,7 @@ class _Group:
     prompt: list[int]
     echo: str | None
     choices: list[_Choice]
+    echo_logprobs: list | None = None
     lead: _Choice | None = None
     forks: list[_Choice] = field(default_factory=list)   # waiting for the lead's prompt
 
@@ -208,7 +213,29 @@ class JobRun:
                     sampling["seed"] = (seed + i) % SEED_SPACE
                 choices.append(_Choice(p * spec.n + i, sampling, splitter=(
                     ReasoningSplitter(style, rendered) if rendered is not None else None)))
-            self._groups.append(_Group(ids, echo, choices))
+            self._groups.append(_Group(ids, echo, choices, self._prompt_logprobs(ids)))
+
+    def _prompt_logprobs(self, ids: list[int]) -> "list[TokenLogprob] | None":
+        """Each prompt token's log-probability given those before it (the first has none),
+        with its most likely alternatives: what echo with logprobs reports."""
+        if not (self.spec.echo and self.spec.logprobs):
+            return None
+        logits = np.asarray(self.model.logits(ids), np.float64)
+        lse = np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        lp = logits - lse
+        out = []
+        k = self.spec.top_logprobs
+        for i, t in enumerate(ids):
+            text, raw = self._piece(t)
+            if i == 0:
+                out.append(TokenLogprob(text, raw, None, []))
+                continue
+            row = lp[i - 1]
+            top = np.argsort(-row)[:k] if k else []
+            out.append(TokenLogprob(text, raw, _finite(row[t]),
+                                    [TopLogprob(*self._piece(int(j)), _finite(row[j]))
+                                     for j in top]))
+        return out
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         m = self.model
@@ -270,7 +297,7 @@ class JobRun:
         if c.started:
             return []
         c.started = True
-        return [Started(c.index, len(g.prompt), g.echo)]
+        return [Started(c.index, len(g.prompt), g.echo, g.echo_logprobs)]
 
     def advance(self, batcher) -> list[Event]:
         """After a step: the new text of every choice, forks of prompts just processed, and

@@ -124,15 +124,42 @@ class JSONSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    """``response_format`` of chat completions."""
+    """``response_format`` of chat completions: OpenAI's shape (json_schema.schema) or
+    llama.cpp's (the schema beside the type, for json_object too)."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_given(self):
-        if self.type == "json_schema" and self.json_schema is None:
+        if self.type == "json_schema" and self.json_schema is None and self.schema_ is None:
             raise ValueError("response_format of type 'json_schema' needs a 'json_schema' field")
         return self
+
+    def schema(self) -> dict | None:
+        """The schema asked for, in either shape (None: any JSON object, or plain text)."""
+        return self.json_schema.schema_ if self.json_schema is not None else self.schema_
+
+
+# llama.cpp's sampling extensions this server cannot honour, with the value that means
+# "off": a request giving another value is refused by name rather than silently ignored.
+LLAMA_OFF = {"typical_p": 1.0, "mirostat": 0, "mirostat_tau": None, "mirostat_eta": None,
+             "dynatemp_range": 0.0, "dynatemp_exponent": None, "tfs_z": 1.0,
+             "xtc_probability": 0.0, "xtc_threshold": None, "dry_multiplier": 0.0,
+             "dry_base": None, "dry_allowed_length": None, "dry_penalty_last_n": None,
+             "dry_sequence_breakers": None, "top_n_sigma": -1.0, "n_keep": 0,
+             "penalize_nl": False, "samplers": None, "lora": None, "id_slot": -1,
+             "n_indent": 0, "t_max_predict_ms": 0, "t_max_prompt_ms": 0, "n_discard": 0}
+
+
+def refuse_llama_extras(extra: dict | None) -> None:
+    """Raises ValueError naming the first llama.cpp field whose value would change the answer
+    (mirostat, typical_p, ...): this server does not implement them."""
+    for name, off in LLAMA_OFF.items():
+        if extra and name in extra and extra[name] is not None and extra[name] != off:
+            raise ValueError(f"{name}: this server does not support {name} (send "
+                             f"{off!r} or leave it out)" if off is not None else
+                             f"{name}: this server does not support {name} (leave it out)")
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -140,6 +167,7 @@ class ResponseFormat(_Body):
 class SamplingFields(_Body):
     """Sampling fields common to every generating endpoint (OpenAI's, plus llama.cpp's
     top_k, min_p, repeat_penalty and ignore_eos)."""
+    model_config = ConfigDict(extra="allow")   # read by _llama_extras, then ignored
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
@@ -150,6 +178,13 @@ class SamplingFields(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = Field(None, ge=-1, lt=2 ** 64, description="-1: random")
     ignore_eos: bool = False
+    repeat_last_n: int | None = Field(None, ge=-1)
+    cache_prompt: bool = True   # prefixes are always reused: the answer is the same either way
+
+    @model_validator(mode="after")
+    def _llama_extras(self):
+        refuse_llama_extras(self.model_extra)
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -172,6 +207,10 @@ class ChatFields(SamplingFields):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(None, ge=1)
+    # llama.cpp's constraints: a GBNF grammar, or a JSON schema the output must match
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    n_probs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod

@@ -20,6 +20,8 @@ class ServerSettings:
         allow_hosts: Host header values accepted besides loopback names and addresses.
         cors_origins: browser origins allowed to call the API (none: CORS off).
         parallel: requests generated together; max_queue: requests waiting beyond them.
+        parallel_default: parallel was not given: fewer slots when the KV cache cannot hold
+            a full context for each (said on stderr).
         max_body: largest request body in bytes; max_n: most choices a request may ask for.
         max_connections: open connections at most (more get 503 at once).
         request_timeout: seconds a client has to send a request's head, and at most between
@@ -31,6 +33,9 @@ class ServerSettings:
         reasoning_format: "none" leaves a model's reasoning in the content; "deepseek" and
             "auto" return it apart (``reasoning_content``, thinking blocks).
         verbose: log each request.
+        aliases: more names /v1/models lists for the model (--alias).
+        strict_model: refuse (404) requests naming another model; otherwise any name is
+            served by this one.
     """
     model: str | None = None
     model_id: str = ""
@@ -39,7 +44,8 @@ class ServerSettings:
     api_key: str | None = None
     allow_hosts: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)
-    parallel: int = 1
+    parallel: int = 4
+    parallel_default: bool = False
     max_queue: int = 16
     max_body: int = DEFAULT_MAX_BODY
     max_n: int = 8
@@ -51,6 +57,8 @@ class ServerSettings:
     shutdown_grace: float = 3.0
     reasoning_format: str = "auto"
     verbose: bool = False
+    aliases: list[str] = field(default_factory=list)
+    strict_model: bool = False
 
     def check(self) -> None:
         """Raise ValueError, in one line, for settings that are unsafe or make no sense."""

@@ -10,6 +10,7 @@ import numpy as np
 from localllm.errors import ConstraintError
 from localllm.kernels import grammar as kg
 
+from .gbnf import parse_gbnf
 from .grammar import CompiledGrammar, Limits
 from .json_grammar import JsonGrammar
 from .schema import compile_schema
@@ -42,7 +43,7 @@ class _Shared:
 class TokenConstraint:
     """The tokens a model may sample next, and the state they lead to.
 
-    Build with ``json_object(vocab)`` or ``json_schema(schema, vocab)``. End-of-generation
+    Build with ``json_object(vocab)``, ``json_schema(schema, vocab)`` or ``gbnf(text, vocab)``. End-of-generation
     tokens are allowed exactly when the text so far is a complete value; control and other
     special tokens never are.
     """
@@ -73,6 +74,16 @@ class TokenConstraint:
                 large; the message names it.
         """
         return cls(compile_schema(schema, limits, max_depth), vocab)
+
+    @classmethod
+    def gbnf(cls, text: str, vocab: TokenVocab, limits: Limits | None = None) -> "TokenConstraint":
+        """Returns: a constraint to the text a GBNF grammar (llama.cpp's notation) matches.
+
+        Raises:
+            GrammarError: the grammar does not parse or is unsupported; the message gives the
+                line and column.
+        """
+        return cls(parse_gbnf(text, limits), vocab)
 
     def _walk(self, tok: int) -> bool:
         """Walks a token's bytes from the current state; the state after it is left in the

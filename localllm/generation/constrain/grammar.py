@@ -134,6 +134,10 @@ class Grammar:
     """Rules under construction. Each rule is a list of alternatives; each alternative a list of
     elements (Chars, Ref). Rules may be declared first and defined later, for recursion."""
 
+    # Said after "X refers to itself without consuming input" (what such a cycle means here).
+    cycle_hint = " (a $ref cycle that does not nest inside an object or array)"
+    subject = "the schema"   # what "no finite value can satisfy ..." names
+
     def __init__(self, limits: Limits | None = None):
         self.limits = limits or Limits()
         self.alts: list[list[Alt] | None] = []
@@ -246,8 +250,8 @@ class Grammar:
                 raise GrammarError(f"rule {self.names[i] or i} is used but never defined")
         alts = _prune(self.alts, _productive(self.alts))
         if not alts[start]:
-            raise GrammarError("no finite value can satisfy the schema")
-        _check_left_recursion(alts, self.names)
+            raise GrammarError(f"no finite value can satisfy {self.subject}")
+        _check_left_recursion(alts, self.names, self.cycle_hint)
         return CompiledGrammar(_layout(alts, start))
 
 
@@ -306,7 +310,7 @@ def _prune(alts: list[list[Alt]], prod: list[bool]) -> list[list[Alt]]:
     return out
 
 
-def _check_left_recursion(alts: list[list[Alt]], names: list[str]) -> None:
+def _check_left_recursion(alts: list[list[Alt]], names: list[str], hint: str) -> None:
     """Raises GrammarError when a rule can call itself before consuming a character (the
     walker's closure would never end), e.g. a schema whose $ref leads back to itself."""
     null = _nullable(alts)
@@ -334,8 +338,7 @@ def _check_left_recursion(alts: list[list[Alt]], names: list[str]) -> None:
                 stack.pop()
             elif state[nxt] == 1:
                 name = names[nxt] or f"rule {nxt}"
-                raise GrammarError(f"{name} refers to itself without consuming input "
-                                   "(a $ref cycle that does not nest inside an object or array)")
+                raise GrammarError(f"{name} refers to itself without consuming input{hint}")
             elif state[nxt] == 0:
                 state[nxt] = 1
                 stack.append((nxt, iter(first[nxt])))
@@ -349,6 +352,28 @@ class CompiledGrammar:
     @property
     def n_elements(self) -> int:
         return int(self.tables.elem.shape[0])
+
+    def matches(self, text: str, complete: bool = True) -> bool:
+        """Whether ``text`` matches the grammar, walking its UTF-8 bytes as constraints do.
+
+        Args:
+            text: the text to check.
+            complete: True: the whole text must be a finished match; False: a prefix of one.
+        Returns:
+            the answer.
+        """
+        data = np.frombuffer(text.encode("utf-8"), np.uint8)
+        st = kg.new_store()
+        while (s := kg.start(self.tables, st)) == -1:
+            st = kg.grow_store(st)
+        lvl = kg.new_levels(data.size)
+        lvl[0] = (s, 0, 0, 0)
+        while (r := kg.walk_bytes(self.tables, st, lvl, data)) == -1:
+            st = kg.grow_store(st)
+        if r != 1:
+            return False
+        s, _, need, _ = (int(x) for x in lvl[data.size])
+        return not complete or bool(need == 0 and st.set_buf[st.set_off[s]] == kg.ACCEPT)
 
 
 def _layout(alts: list[list[Alt]], start: int) -> kg.Tables:
