@@ -4,6 +4,7 @@ it is recognised in a template, the text that starts a call, and a parser from o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -301,12 +302,30 @@ def generic_system_prompt(tools: list[dict], mode: str, parallel: bool = True) -
     return text + "."
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def _short_id(call_id: str) -> str:
+    """A call id as Mistral's templates demand it: 9 letters or digits."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).hexdigest()
+    return "".join(c for c in digest if c.isalnum())[:9]
+
+
+def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> list[dict]:
     """Messages as chat templates read them: an assistant call's arguments become a mapping
     (templates do ``arguments | tojson`` or iterate ``arguments.items()``), with each call's
-    function fields also at its top level (templates differ in which they read)."""
+    function fields also at its top level (templates differ in which they read).
+
+    Args:
+        messages: OpenAI-shaped messages (tool_calls with JSON-text arguments).
+        fmt: the template's format; Mistral's get call ids of 9 letters or digits.
+    Returns:
+        new messages; the given ones are not changed.
+    """
+    short = fmt is not None and fmt.name.startswith("mistral")
     out = []
     for m in messages:
+        if short and m.get("tool_call_id") is not None:
+            m = {**m, "tool_call_id": _short_id(str(m["tool_call_id"]))}
         calls = m.get("tool_calls")
         if calls:
             fixed = []
@@ -318,6 +337,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
                         f["arguments"] = json.loads(args) if args.strip() else {}
                     except ValueError:
                         pass
+                if short and c.get("id") is not None:
+                    c = {**c, "id": _short_id(str(c["id"]))}
                 fixed.append({**c, "function": f, "name": f.get("name"),
                               "arguments": f.get("arguments")})
             m = {**m, "tool_calls": fixed}

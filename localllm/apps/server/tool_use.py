@@ -88,7 +88,7 @@ def plan(template_source: str, messages: list[dict], template_kwargs: dict, tool
         if native is GENERIC:
             history = _generic_history(messages)
         else:
-            history = template_messages(messages)
+            history = template_messages(messages, native)
         if not funcs or mode == "none":
             kw = dict(template_kwargs, tools=tools) if funcs and native is not GENERIC \
                 else template_kwargs
