@@ -122,7 +122,8 @@ def test_none_and_auto(client):
                                        max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     for stream in (False, True):
-        kw = dict(messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=80, seed=5)
+        kw = dict(messages=ASK, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False,
+                  max_tokens=120, seed=5)
         if stream:
             final, _ = _stream(client, **{k: v for k, v in kw.items() if k != "messages"})
             m = final.choices[0].message

@@ -97,6 +97,7 @@ def plan(template_source: str, messages: list[dict], template_kwargs: dict, tool
             return ToolPlan(native, history, dict(template_kwargs, tools=tools))
         # The generic JSON answer: for templates without tools, and (constrained, so the call
         # always parses and fits the schemas) for required / a named function.
+        parallel = parallel and name is None   # a named function: that one call
         schema = generic_schema(tools, mode, name, parallel)
         if native is GENERIC:
             history = _with_system(history, generic_system_prompt(
