@@ -133,9 +133,20 @@ def _cstrip(s: Any) -> str:
     return str(s).strip(_C_SPACE)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's own
+    tokens with it (for training masks); rendering outputs the body as it is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _environment(limits: RenderLimits) -> GuardedEnvironment:
     env = GuardedEnvironment(limits, trim_blocks=True, lstrip_blocks=True,
-                             extensions=[jinja2.ext.loopcontrols])
+                             extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.filters["cstrip"] = _cstrip
     env.guard_filters()

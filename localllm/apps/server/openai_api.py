@@ -11,6 +11,7 @@ from .common import (ServerState, constrained_output, event_stream, logprob_item
                      respond, sse, total_usage, usage_body)
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .tool_use import StreamSplitter, ToolPlan, call_deltas, plan
 
 router = APIRouter()
 
@@ -46,9 +47,17 @@ class _Choices:
     def indexes(self) -> list[int]:
         return sorted(self.text)
 
-    def message(self, i: int) -> dict:
-        """The assistant message of choice i (its reasoning apart, where there was some)."""
+    def message(self, i: int, tools: ToolPlan | None = None) -> dict:
+        """The assistant message of choice i (its reasoning apart, where there was some, and
+        its tool calls, where the request had tools)."""
         m = {"role": "assistant", "content": "".join(self.text[i]), "refusal": None}
+        if tools is not None:
+            content, calls = tools.split(m["content"])
+            m["content"] = content or None if calls else content
+            if calls:
+                m["tool_calls"] = [c.as_openai() for c in calls]
+                if self.finish.get(i) == "stop":
+                    self.finish[i] = "tool_calls"
         reasoning = "".join(self.reasoning[i])
         if reasoning:
             m["reasoning_content"] = reasoning
@@ -73,7 +82,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     sampling = st.sampling(body, body.max_completion_tokens or body.max_tokens, body.stop)
     messages = [m.as_template_message() for m in body.messages]
     top = body.top_logprobs if body.top_logprobs is not None else (body.n_probs or 0)
-    spec = GenerationSpec([Prompt(messages=messages, template_kwargs=body.template_kwargs())],
+    source = await st.scheduler.call(lambda m: m.template.source)
+    tools = plan(source, messages, body.template_kwargs(), body.tools, body.tool_choice,
+                 body.parallel_tool_calls)
+    output = tools.output or output
+    spec = GenerationSpec([Prompt(messages=tools.messages, template_kwargs=tools.template_kwargs)],
                           sampling, n=body.n, logprobs=body.logprobs,
                           top_logprobs=top if body.logprobs else 0, output=output,
                           split_reasoning=split_reasoning(st, body.reasoning_format))
@@ -85,7 +98,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def whole(events: list[Event]) -> JSONResponse:
         got = _Choices(events)
         choices = [{"index": i,
-                    "message": got.message(i),
+                    "message": got.message(i, tools),
                     "logprobs": ({"content": logprob_items(got.logprobs[i]), "refusal": None}
                                  if body.logprobs else None),
                     "finish_reason": got.finish.get(i, "length")} for i in got.indexes()]
@@ -93,12 +106,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                              "usage": usage_body(total_usage(events, body.n))})
 
     def stream(first: Event):
-        return _chat_stream(first, job, head, body.n, body.logprobs, _include_usage(body))
+        return _chat_stream(first, job, head, body.n, body.logprobs, _include_usage(body),
+                            tools if tools.fmt is not None else None)
     return await respond(job, request, stream if body.stream else None, whole)
 
 
-def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_usage: bool):
+def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_usage: bool,
+                 tools: ToolPlan | None = None):
     events: list[Event] = []
+    splitters: dict[int, StreamSplitter] = {}
     base = {**head, "object": "chat.completion.chunk"}
     if include_usage:
         base["usage"] = None
@@ -114,11 +130,22 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
             return [chunk(ev.index, {"role": "assistant", "content": ""})]
         if isinstance(ev, Piece):
             out = [chunk(ev.index, {"reasoning_content": ev.reasoning})] if ev.reasoning else []
-            if ev.text or ev.logprobs:
-                out.append(chunk(ev.index, {"content": ev.text}, lps=ev.logprobs))
+            text = ev.text
+            if tools is not None:
+                text = splitters.setdefault(ev.index, StreamSplitter(tools)).feed(ev.text)
+            if text or ev.logprobs:
+                out.append(chunk(ev.index, {"content": text}, lps=ev.logprobs))
             return out
         if isinstance(ev, Finished):
-            return [chunk(ev.index, {}, ev.finish_reason)]
+            out, finish = [], ev.finish_reason
+            if tools is not None:
+                rest, calls = splitters.setdefault(ev.index, StreamSplitter(tools)).finish()
+                if rest:
+                    out.append(chunk(ev.index, {"content": rest}))
+                out += [chunk(ev.index, d) for d in call_deltas(calls)]
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            return out + [chunk(ev.index, {}, finish)]
         return []
 
     return event_stream(first, job, render, lambda: _closing(base, events, n, include_usage))

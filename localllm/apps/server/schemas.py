@@ -46,6 +46,17 @@ def _no_tool_choice(value):
     return value
 
 
+def _tool_choice_value(value):
+    """none, auto, required, or {"type": "function", "function": {"name": ...}}."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if (isinstance(value, dict) and value.get("type") == "function"
+            and isinstance((value.get("function") or {}).get("name"), str)):
+        return value
+    raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                     '{"type": "function", "function": {"name": ...}}')
+
+
 # ----------------------------------------------------------------------------- messages
 
 class ContentPart(_Body):
@@ -98,20 +109,31 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Content | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     reasoning_content: str | None = None   # an earlier answer's reasoning, for the template
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.role in ("tool", "function") or self.tool_calls or self.function_call:
-            raise ValueError("tool and function calls are not supported by this server")
+        if self.role == "function" or self.function_call:
+            raise ValueError("the legacy 'function' role and function_call are not supported; "
+                             "use tool_calls and 'tool' messages")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         return self
 
     def as_template_message(self) -> dict:
-        return template_message(self.role, self.content, self.reasoning_content)
+        m = template_message(self.role, self.content, self.reasoning_content)
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            m["name"] = self.name
+        return m
 
 
 # ----------------------------------------------------------------------------- output format
@@ -234,16 +256,17 @@ class ChatCompletionRequest(ChatFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: Literal[REASONING_FORMATS] | None = None
-    # Declared only to be refused when set: each would change what the answer means.
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    # Declared only to be refused when set: each would change what the answer means.
+    functions: list[Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
     web_search_options: Any = None
 
-    _unsupported = field_validator("tools", "functions", "audio", "web_search_options")(_refuse)
-    _tool_choice = field_validator("tool_choice")(_no_tool_choice)
+    _unsupported = field_validator("functions", "audio", "web_search_options")(_refuse)
+    _tool_choice = field_validator("tool_choice")(_tool_choice_value)
     _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     def template_kwargs(self) -> dict:

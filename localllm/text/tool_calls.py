@@ -1,0 +1,361 @@
+"""Tool (function) calls in model output: the call formats chat templates teach, each with how
+it is recognised in a template, the text that starts a call, and a parser from output text to
+(content, calls); plus the generic JSON format for templates that know no tools."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from localllm.errors import LocalLLMError
+
+
+class ToolCallError(LocalLLMError, ValueError):
+    """Tool definitions or a tool_choice that cannot be used."""
+
+
+@dataclass
+class ToolCall:
+    """One call of a function: ``arguments`` is a JSON text, as OpenAI's API carries it."""
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def as_openai(self) -> dict:
+        """The call as an assistant message's ``tool_calls`` item."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _args_text(v) -> str:
+    if isinstance(v, str):
+        try:
+            json.loads(v)
+            return v
+        except ValueError:
+            return json.dumps(v)
+    return json.dumps(v if v is not None else {}, ensure_ascii=False)
+
+
+def _call_of(obj, args_keys=("arguments", "parameters")) -> ToolCall | None:
+    """A ToolCall from a decoded {"name":.., "arguments":..} object, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if "function" in obj and isinstance(obj["function"], dict):
+        return _call_of(obj["function"], args_keys)
+    for k in args_keys:
+        if k in obj:
+            return ToolCall(obj["name"], _args_text(obj[k]),
+                            **({"id": obj["id"]} if isinstance(obj.get("id"), str) else {}))
+    return ToolCall(obj["name"], "{}")
+
+
+_decoder = json.JSONDecoder()
+
+
+def _json_at(text: str, pos: int):
+    """(value, end) of the JSON value starting at text[pos:] (after blanks), or (None, pos)."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    try:
+        return _decoder.raw_decode(text, pos)
+    except ValueError:
+        return None, pos
+
+
+# ----------------------------------------------------------------------------- formats
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A tool-call format.
+
+    name: short name ("hermes", "llama3", "mistral", "generic").
+    trigger: the text that starts a call in the output ("" for generic: the whole answer is JSON).
+    prefix / suffix: literal text around one call's JSON body.
+    args_key: the body's key for the arguments ("arguments" or "parameters").
+    as_list: whether the body is a JSON list of calls (Mistral Nemo) rather than one object.
+    """
+    name: str
+    trigger: str
+    prefix: str
+    suffix: str
+    args_key: str = "arguments"
+    as_list: bool = False
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Split output text into its content and the tool calls in it.
+
+        Args:
+            text: the model's raw output.
+        Returns:
+            (content, calls): the text outside any call (stripped when there were calls), and
+            the calls in order. Text that looks like a call but does not parse stays content.
+        """
+        return _PARSERS[self.name](self, text)
+
+    def body_schema(self, tools: list[dict], name: str | None = None) -> dict:
+        """JSON schema of one call's body, from the tools' parameter schemas.
+
+        Args:
+            tools: OpenAI tool definitions.
+            name: only this function (a named tool_choice).
+        Returns:
+            a schema: anyOf over the functions of {"name": const, <args_key>: parameters}.
+        """
+        alts = []
+        for f in functions(tools):
+            if name is not None and f["name"] != name:
+                continue
+            params = f.get("parameters") or {"type": "object"}
+            alts.append({"type": "object",
+                         "properties": {"name": {"const": f["name"]}, self.args_key: params},
+                         "required": ["name", self.args_key], "additionalProperties": False})
+        if not alts:
+            raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools")
+        return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+
+def _parse_tagged(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
+    calls, content, pos = [], [], 0
+    while True:
+        start = text.find(fmt.trigger, pos)
+        if start < 0:
+            break
+        value, end = _json_at(text, start + len(fmt.trigger))
+        items = value if fmt.as_list and isinstance(value, list) else [value]
+        got = [c for c in (_call_of(v) for v in items) if c is not None]
+        if value is None or len(got) != len(items):
+            break   # not a call after all: the rest is content
+        calls += got
+        content.append(text[pos:start])
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if fmt.suffix and text.startswith(fmt.suffix.strip(), pos):
+            pos += len(fmt.suffix.strip())
+    content.append(text[pos:])
+    joined = "".join(content)
+    return (joined.strip() if calls else joined), calls
+
+
+def _parse_llama3(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):]
+    calls, pos = [], 0
+    while True:
+        value, end = _json_at(body, pos)
+        c = _call_of(value, ("parameters", "arguments")) if value is not None else None
+        if c is None:
+            break
+        calls.append(c)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    if calls and not body[pos:].strip():
+        return "", calls
+    return text, []
+
+
+def _parse_mistral(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
+    start = text.find(fmt.trigger)
+    if start < 0:
+        return text, []
+    rest = text[start + len(fmt.trigger):]
+    value, end = _json_at(rest, 0)
+    if isinstance(value, list):
+        calls = [_call_of(v) for v in value]
+        if calls and all(calls):
+            return (text[:start] + rest[end:]).strip(), calls
+        return text, []
+    calls, pos = [], 0   # Small 3.2: name[ARGS]{...}, repeated after [TOOL_CALLS]
+    while True:
+        m = re.match(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\[ARGS\]", rest[pos:])
+        if not m:
+            break
+        value, end = _json_at(rest, pos + m.end())
+        if value is None:
+            break
+        calls.append(ToolCall(m.group(1), _args_text(value)))
+        pos = end
+    if calls:
+        return (text[:start] + rest[pos:]).strip(), calls
+    return text, []
+
+
+def _parse_generic(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
+    value, end = _json_at(text, 0)
+    if not isinstance(value, dict) or text[end:].strip():
+        return text, []
+    if isinstance(value.get("tool_calls"), list):
+        calls = [_call_of(v) for v in value["tool_calls"]]
+        if all(calls):
+            return "", calls
+    if isinstance(value.get("tool_call"), dict):
+        c = _call_of(value["tool_call"])
+        if c:
+            return "", [c]
+    if isinstance(value.get("response"), str):
+        return value["response"], []
+    return text, []
+
+
+_PARSERS = {"hermes": _parse_tagged, "llama3": _parse_llama3, "mistral": _parse_mistral,
+            "mistral_nemo": _parse_tagged, "generic": _parse_generic}
+
+HERMES = ToolFormat("hermes", "<tool_call>", "<tool_call>\n", "\n</tool_call>")
+LLAMA3 = ToolFormat("llama3", "{", "", "", args_key="parameters")
+MISTRAL_NEMO = ToolFormat("mistral_nemo", "[TOOL_CALLS]", "[TOOL_CALLS]", "", as_list=True)
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", "")
+GENERIC = ToolFormat("generic", "", "", "")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC)}
+
+
+def detect_format(template_source: str | None) -> ToolFormat:
+    """The tool-call format a chat template teaches, from its source.
+
+    Args:
+        template_source: the Jinja source of the GGUF's chat template (None: none).
+    Returns:
+        the format; GENERIC for a template that does not take tools.
+    """
+    src = template_source or ""
+    if "tools" not in src and "tool_calls" not in src:
+        return GENERIC
+    if "<tool_call>" in src:
+        return HERMES
+    if "[TOOL_CALLS]" in src:
+        return MISTRAL if "[ARGS]" in src else MISTRAL_NEMO
+    if "<|python_tag|>" in src or ("<|start_header_id|>" in src and '"parameters"' in src):
+        return LLAMA3
+    return GENERIC
+
+
+def supports_tools(template_source: str | None) -> bool:
+    """Whether a template renders the tools itself (else they go in a system message)."""
+    src = template_source or ""
+    return "tools" in src and detect_format(src) is not GENERIC
+
+
+# ----------------------------------------------------------------------------- requests
+
+def functions(tools: list[dict] | None) -> list[dict]:
+    """The function definitions of OpenAI tools ({"type": "function", "function": {...}}).
+
+    Raises:
+        ToolCallError: a tool of another type, or a function without a name.
+    """
+    out = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise ToolCallError(f"tools[{i}]: only tools of type 'function' are supported")
+        f = t.get("function", t)
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ToolCallError(f"tools[{i}]: a function needs a name")
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolCallError(f"tools[{i}]: parameters must be a JSON schema object")
+        out.append(f)
+    return out
+
+
+def generic_schema(tools: list[dict], mode: str, name: str | None = None,
+                   parallel: bool = True) -> dict:
+    """JSON schema of the generic format's whole answer.
+
+    Args:
+        tools: OpenAI tool definitions.
+        mode: "auto" (a call or a text response), "required" (calls only).
+        name: only this function.
+        parallel: whether several calls may come in one answer.
+    Returns:
+        the schema: {"tool_calls": [call, ...]} or, with auto, also {"response": "text"}.
+    """
+    calls = {"type": "array", "items": GENERIC.body_schema(tools, name), "minItems": 1}
+    if not parallel:
+        calls["maxItems"] = 1
+    with_calls = {"type": "object", "properties": {"tool_calls": calls},
+                  "required": ["tool_calls"], "additionalProperties": False}
+    if mode != "auto":
+        return with_calls
+    answer = {"type": "object", "properties": {"response": {"type": "string"}},
+              "required": ["response"], "additionalProperties": False}
+    return {"anyOf": [with_calls, answer]}
+
+
+def generic_system_prompt(tools: list[dict], mode: str, parallel: bool = True) -> str:
+    """The system message that describes the tools and the answer shape to a model whose
+    template does not take tools."""
+    listing = json.dumps([{"name": f["name"], "description": f.get("description", ""),
+                           "parameters": f.get("parameters") or {"type": "object"}}
+                          for f in functions(tools)], ensure_ascii=False, indent=2)
+    shape = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}'
+    text = (f"You can call these functions:\n{listing}\n\nTo call functions, answer with JSON "
+            f"only, shaped as {shape}"
+            + ("" if parallel else ", with exactly one call"))
+    if mode == "auto":
+        text += ('. To answer without calling a function, reply with JSON shaped as '
+                 '{"response": "<your answer>"}')
+    return text + "."
+
+
+def _short_id(call_id: str) -> str:
+    """A call id as Mistral's templates demand it: 9 letters or digits."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).hexdigest()
+    return "".join(c for c in digest if c.isalnum())[:9]
+
+
+def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> list[dict]:
+    """Messages as chat templates read them: an assistant call's arguments become a mapping
+    (templates do ``arguments | tojson`` or iterate ``arguments.items()``), with each call's
+    function fields also at its top level (templates differ in which they read).
+
+    Args:
+        messages: OpenAI-shaped messages (tool_calls with JSON-text arguments).
+        fmt: the template's format; Mistral's get call ids of 9 letters or digits.
+    Returns:
+        new messages; the given ones are not changed.
+    """
+    short = fmt is not None and fmt.name.startswith("mistral")
+    out = []
+    for m in messages:
+        if short and m.get("tool_call_id") is not None:
+            m = {**m, "tool_call_id": _short_id(str(m["tool_call_id"]))}
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                f = dict(c.get("function", c))
+                args = f.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        f["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass
+                if short and c.get("id") is not None:
+                    c = {**c, "id": _short_id(str(c["id"]))}
+                fixed.append({**c, "function": f, "name": f.get("name"),
+                              "arguments": f.get("arguments")})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
+def canonical_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
+    """The text a model of this format writes for these calls (round-trip tests, prompts)."""
+    if fmt.name == "generic":
+        return json.dumps({"tool_calls": [{"name": c.name, "arguments": json.loads(c.arguments)}
+                                          for c in calls]})
+    if fmt.name == "mistral":
+        return "".join(f"[TOOL_CALLS]{c.name}[ARGS]{c.arguments}" for c in calls)
+    bodies = [{"name": c.name, fmt.args_key: json.loads(c.arguments)} for c in calls]
+    if fmt.as_list:
+        return fmt.prefix + json.dumps(bodies)
+    if fmt.name == "llama3":
+        return "; ".join(json.dumps(b) for b in bodies)
+    return "\n".join(fmt.prefix + json.dumps(b) + fmt.suffix for b in bodies)
