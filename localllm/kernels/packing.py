@@ -3,7 +3,7 @@
 Rows are the vector lanes. A tile's row data is cut into 32-element chunks; within a chunk,
 lane ``r`` of vector ``j`` (0..7) holds elements ``4j..4j+3`` of row ``r`` as bytes, so one
 ``vpdpbusd`` against 4 broadcast activation bytes advances 16 rows at once. Each bit width
-has a fixed packing of those bytes (see the ``pack_*`` functions); scales are stored per tile
+has a fixed packing of those bytes (see the ``_store_*`` helpers); scales are stored per tile
 as 16 consecutive values, one per row.
 """
 
@@ -48,86 +48,191 @@ FLOAT_FORMATS = frozenset({"F32", "F16", "BF16"})
 _ROW_STEP = 4096
 
 
-@njit(cache=True, parallel=True)
-def pack_nibbles(v):
-    """Values 0..15, (Np, K) uint8 -> bytes: per chunk-tile [g 0..3][row][i 0..3] holding
-    element 4g+i in the low nibble and element 16+4g+i in the high nibble (256 bytes)."""
-    n, K = v.shape
-    nc = K // 32
-    out = np.empty(n // ROWS * nc * 256, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
-        for g in range(4):
-            for r in range(ROWS):
-                o = tc * 256 + g * 64 + r * 4
-                for i in range(4):
-                    e = e0 + 4 * g + i
-                    out[o + i] = (v[row0 + r, e] & 15) | ((v[row0 + r, e + 16] & 15) << 4)
-    return out
+# Format codes of the repack kernels. The 32-wide formats come first (one block per chunk).
+_CODE = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "IQ4_NL": 5,
+         "Q2_K": 6, "Q3_K": 7, "Q4_K": 8, "Q5_K": 9, "Q6_K": 10, "IQ4_XS": 11}
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _IQ4_NL, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_XS = range(12)
+# Per code: block bytes; byte offset of d, of m / dmin (-1: none); sub-block scales per block.
+_TYPE_SIZE = (18, 20, 22, 24, 34, 18, 84, 110, 144, 176, 210, 136)
+_D_OFF = (0, 0, 0, 0, 0, 0, 80, 108, 0, 0, 208, 0)
+_M_OFF = (-1, 2, -1, 2, -1, -1, 82, -1, 2, 2, -1, -1)
+_N_SC = (0, 0, 0, 0, 0, 0, 16, 16, 8, 8, 16, 8)
+_HAS_MN = (False,) * 6 + (True, False, True, True, False, False)
 
 
-@njit(cache=True, parallel=True)
-def pack_bytes(v):
-    """Values 0..255, (Np, K) uint8 -> bytes: per chunk-tile [j 0..7][row][i] = element 4j+i."""
-    n, K = v.shape
-    nc = K // 32
-    out = np.empty(n // ROWS * nc * 512, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
-        for j in range(8):
-            for r in range(ROWS):
-                o = tc * 512 + j * 64 + r * 4
-                for i in range(4):
-                    out[o + i] = v[row0 + r, e0 + 4 * j + i]
-    return out
+@njit(inline="always")
+def _nibble_pairs(row, o, out):
+    """16 bytes at ``o``: low nibbles are elements 0..15, high nibbles 16..31."""
+    for i in range(16):
+        b = row[o + i]
+        out[i] = b & 15
+        out[16 + i] = b >> 4
 
 
-@njit(cache=True, parallel=True)
-def pack_bits(v, shift):
-    """Bit ``shift`` of each value, (Np, K) uint8 -> bytes: per chunk-tile [row][i] with bit j
-    = element 4j+i (64 bytes)."""
-    n, K = v.shape
-    nc = K // 32
-    out = np.empty(n // ROWS * nc * 64, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
+@njit(inline="always")
+def _chunk_values(code, row, c, out):
+    """The 32 values of chunk ``c`` of a raw GGUF row, as the tiles store them (the
+    reference unpackers' quants shifted to be unsigned), into ``out``."""
+    if code <= _IQ4_NL:
+        o = c * _TYPE_SIZE[code]
+        if code == _Q8_0:
+            for i in range(32):
+                out[i] = row[o + 2 + i] ^ 0x80
+        elif code == _Q5_0 or code == _Q5_1:
+            qh = o + 2 if code == _Q5_0 else o + 4
+            _nibble_pairs(row, qh + 4, out)
+            for i in range(32):
+                out[i] |= ((row[qh + i // 8] >> (i % 8)) & 1) << 4
+        else:
+            _nibble_pairs(row, o + 4 if code == _Q4_1 else o + 2, out)
+        return
+    o = c // 8 * _TYPE_SIZE[code]
+    s = c % 8  # 32-element group within the 256-element superblock
+    if code == _Q2_K or code == _Q3_K:
+        q = o + 16 + s // 4 * 32 if code == _Q2_K else o + 32 + s // 4 * 32
+        sh = 2 * (s % 4)
+        for i in range(32):
+            out[i] = (row[q + i] >> sh) & 3
+        if code == _Q3_K:
+            for i in range(32):
+                out[i] |= ((row[o + i] >> s) & 1) << 2
+    elif code == _Q4_K or code == _Q5_K:
+        q = o + 16 + s // 2 * 32 if code == _Q4_K else o + 48 + s // 2 * 32
+        sh = 4 * (s % 2)
+        for i in range(32):
+            out[i] = (row[q + i] >> sh) & 15
+        if code == _Q5_K:
+            for i in range(32):
+                out[i] |= ((row[o + 16 + i] >> s) & 1) << 4
+    elif code == _Q6_K:
+        q = o + s // 4 * 64 + (s % 2) * 32
+        sh = 4 * ((s % 4) // 2)
+        qh = o + 128 + s // 4 * 32
+        hs = 2 * (s % 4)
+        for i in range(32):
+            out[i] = ((row[q + i] >> sh) & 15) | (((row[qh + i] >> hs) & 3) << 4)
+    else:  # IQ4_XS: one 16-byte group per 32-element sub-block
+        _nibble_pairs(row, o + 8 + 16 * s, out)
+
+
+@njit(inline="always")
+def _store_nibbles(v, qs, o):
+    for g in range(4):
+        for r in range(ROWS):
+            for i in range(4):
+                qs[o + g * 64 + r * 4 + i] = (v[r, 4 * g + i] & 15) | ((v[r, 16 + 4 * g + i] & 15) << 4)
+
+
+@njit(inline="always")
+def _store_bits(v, shift, hb, o):
+    for r in range(ROWS):
+        for i in range(4):
+            b = 0
+            for j in range(8):
+                b |= ((v[r, 4 * j + i] >> shift) & 1) << j
+            hb[o + r * 4 + i] = b
+
+
+@njit(inline="always")
+def _store_crumbs(v, shift, qs, o):
+    for half in range(2):
         for r in range(ROWS):
             for i in range(4):
                 b = 0
-                for j in range(8):
-                    b |= ((v[row0 + r, e0 + 4 * j + i] >> shift) & 1) << j
-                out[tc * 64 + r * 4 + i] = b
-    return out
+                for j in range(4):
+                    b |= ((v[r, 16 * half + 4 * j + i] >> shift) & 3) << (2 * j)
+                qs[o + half * 64 + r * 4 + i] = b
 
 
 @njit(cache=True, parallel=True)
-def pack_crumbs(v, shift):
-    """Two bits (from ``shift``) of each value, (Np, K) uint8 -> bytes: per chunk-tile two words
-    [half][row][i] with bits 2j..2j+1 = element 16*half + 4j + i (128 bytes)."""
-    n, K = v.shape
+def _repack_quants(code, rows, K, t0, qs, hb):
+    """Values of whole tiles of raw rows -> the qs (and hb) words of tiles t0.. ."""
     nc = K // 32
-    out = np.empty(n // ROWS * nc * 128, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
-        for half in range(2):
+    for t in prange(rows.shape[0] // ROWS):
+        v = np.empty((ROWS, 32), np.uint8)
+        for c in range(nc):
             for r in range(ROWS):
-                for i in range(4):
-                    b = 0
-                    for j in range(4):
-                        b |= ((v[row0 + r, e0 + 16 * half + 4 * j + i] >> shift) & 3) << (2 * j)
-                    out[tc * 128 + half * 64 + r * 4 + i] = b
-    return out
+                _chunk_values(code, rows[t * ROWS + r], c, v[r])
+            tc = (t0 + t) * nc + c
+            if code == _Q8_0:
+                for j in range(8):
+                    for r in range(ROWS):
+                        for i in range(4):
+                            qs[tc * 512 + j * 64 + r * 4 + i] = v[r, 4 * j + i]
+            elif code == _Q2_K:
+                _store_crumbs(v, 0, qs, tc * 128)
+            elif code == _Q3_K:
+                _store_crumbs(v, 0, qs, tc * 128)
+                _store_bits(v, 2, hb, tc * 64)
+            else:
+                _store_nibbles(v, qs, tc * 256)
+                if code == _Q6_K:
+                    _store_crumbs(v, 4, hb, tc * 128)
+                elif code == _Q5_0 or code == _Q5_1 or code == _Q5_K:
+                    _store_bits(v, 4, hb, tc * 64)
 
 
-def pack_row_values(a: np.ndarray, per_row: int) -> np.ndarray:
-    """Per-row values (Np, per_row) -> bytes laid out [tile][per_row][row] (16 per group)."""
-    n = a.shape[0]
-    t = a.reshape(n // ROWS, ROWS, per_row).transpose(0, 2, 1)
-    return np.ascontiguousarray(t).view(np.uint8).reshape(-1)
+@njit(inline="always")
+def _sub_scales(code, row, o, j):
+    """Sub-block ``j``'s scale and min bytes (int8 scales as their bytes) of the block at ``o``."""
+    if code == _Q2_K:
+        b = np.int64(row[o + j])
+        return b & 15, b >> 4
+    if code == _Q3_K:
+        s = o + 96
+        low = np.int64(row[s + j % 8]) >> (4 * (j // 8)) & 15
+        high = (np.int64(row[s + 8 + j % 4]) >> (2 * (j // 4))) & 3
+        return ((low | (high << 4)) - 32) & 255, np.int64(0)
+    if code == _Q4_K or code == _Q5_K:
+        s = o + 4
+        if j < 4:
+            return np.int64(row[s + j]) & 63, np.int64(row[s + 4 + j]) & 63
+        p = np.int64(row[s + 4 + j])
+        return ((p & 15) | ((np.int64(row[s + j - 4]) >> 6) << 4),
+                (p >> 4) | ((np.int64(row[s + j]) >> 6) << 4))
+    if code == _Q6_K:
+        return np.int64(row[o + 192 + j]), np.int64(0)
+    # IQ4_XS
+    low = (np.int64(row[o + 4 + j // 2]) >> (4 * (j % 2))) & 15
+    high = ((np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8)) >> (2 * j)) & 3
+    return ((low | (high << 4)) - 32) & 255, np.int64(0)
+
+
+@njit(cache=True, parallel=True)
+def _repack_scales(code, rows, K, t0, d, m, sc, mn):
+    """Per-block f16 scales (copied bit for bit) and sub-block scales of whole tiles of raw
+    rows -> the [tile][block][sub-block][row] arrays of tiles t0.. ."""
+    ts = _TYPE_SIZE[code]
+    nb = K // 32 if code <= _IQ4_NL else K // 256
+    do, mo, ns = _D_OFF[code], _M_OFF[code], _N_SC[code]
+    for t in prange(rows.shape[0] // ROWS):
+        for b in range(nb):
+            ob = ((t0 + t) * nb + b) * ROWS
+            for r in range(ROWS):
+                row = rows[t * ROWS + r]
+                o = b * ts
+                d[(ob + r) * 2] = row[o + do]
+                d[(ob + r) * 2 + 1] = row[o + do + 1]
+                if mo >= 0:
+                    m[(ob + r) * 2] = row[o + mo]
+                    m[(ob + r) * 2 + 1] = row[o + mo + 1]
+                for j in range(ns):
+                    a, z = _sub_scales(code, row, o, j)
+                    sc[(ob * ns) + j * ROWS + r] = a
+                    if _HAS_MN[code]:
+                        mn[(ob * ns) + j * ROWS + r] = z
+
+
+@njit(cache=True, parallel=True)
+def _repack_float(rows, t0, out):
+    """Float rows (Np, K) of one element width -> [tile][k][row] elements at tiles t0.. ."""
+    K = rows.shape[1]
+    for t in prange(rows.shape[0] // ROWS):
+        base = (t0 + t) * K * ROWS
+        for r in range(ROWS):
+            row = rows[t * ROWS + r]
+            for k in range(K):
+                out[base + k * ROWS + r] = row[k]
 
 
 def _lut(table) -> np.ndarray:
@@ -136,79 +241,43 @@ def _lut(table) -> np.ndarray:
 
 _IQ4_LUT = _lut(quants.IQ4NL_VALUES.astype(np.int16) + 128)
 
-
-def _values_and_scales(name: str, blocks: np.ndarray):
-    """Integer values (nb, bs) as stored in the tiles plus per-block scale arrays."""
-    q = quants
-    if name == "Q4_0":
-        return (q.q4_0_quants(blocks) + np.int8(8)).view(np.uint8), {"d": q.half_field(blocks, name, "d")}
-    if name == "Q4_1":
-        return q.q4_1_quants(blocks), {"d": q.half_field(blocks, name, "d"),
-                                       "m": q.half_field(blocks, name, "m")}
-    if name == "Q5_0":
-        return (q.q5_0_quants(blocks) + np.int8(16)).view(np.uint8), {"d": q.half_field(blocks, name, "d")}
-    if name == "Q5_1":
-        return q.q5_1_quants(blocks), {"d": q.half_field(blocks, name, "d"),
-                                       "m": q.half_field(blocks, name, "m")}
-    if name == "Q8_0":
-        # int8 q + 128 as a byte is q with its sign bit flipped
-        return q.field(blocks, name, "qs") ^ np.uint8(0x80), {"d": q.half_field(blocks, name, "d")}
-    if name == "IQ4_NL":
-        return q.iq4nl_indices(blocks), {"d": q.half_field(blocks, name, "d")}
-    if name == "Q2_K":
-        sc, mn = q.q2k_scales_mins(blocks)
-        return q.q2k_quants(blocks), {"d": q.half_field(blocks, name, "d"),
-                                      "dmin": q.half_field(blocks, name, "dmin"), "sc": sc, "mn": mn}
-    if name == "Q3_K":
-        return (q.q3k_quants(blocks) + np.int8(4)).view(np.uint8), {"d": q.half_field(blocks, name, "d"),
-                                            "sc": q.q3k_scales(blocks)}
-    if name in ("Q4_K", "Q5_K"):
-        sc, mn = q.kquant_scales_mins(blocks)
-        vals = q.q4k_quants(blocks) if name == "Q4_K" else q.q5k_quants(blocks)
-        return vals, {"d": q.half_field(blocks, name, "d"), "dmin": q.half_field(blocks, name, "dmin"),
-                      "sc": sc, "mn": mn}
-    if name == "Q6_K":
-        return (q.q6k_quants(blocks) + np.int8(32)).view(np.uint8), {"d": q.half_field(blocks, name, "d"),
-                                             "sc": q.q6k_scales(blocks)}
-    if name == "IQ4_XS":
-        return q.iq4xs_indices(blocks), {"d": q.half_field(blocks, name, "d"),
-                                         "sc": q.iq4xs_scales(blocks)}
-    raise ValueError(f"no packing for {name}")
+# Bytes per tile-chunk of each format's qs / hb words.
+_QS_BYTES = {"Q8_0": 512, "Q2_K": 128, "Q3_K": 128}
+_HB_BYTES = {"Q3_K": 64, "Q5_0": 64, "Q5_1": 64, "Q5_K": 64, "Q6_K": 128}
+_EMPTY = np.empty(0, np.uint8)
 
 
-def _pack_rows(name: str, rows: np.ndarray, K: int) -> dict[str, np.ndarray]:
-    """Pack a slab of whole tiles (rows.shape[0] % 16 == 0) into the format's byte arrays."""
-    n = rows.shape[0]
-    bs = quants.block_size(name)
-    nb = K // bs
-    blocks = rows.reshape(n * nb, quants.type_size(name))
-    vals, sc = _values_and_scales(name, blocks)
-    v = np.ascontiguousarray(vals, dtype=np.uint8).reshape(n, K)
-    out: dict[str, np.ndarray] = {}
-    if name in ("Q8_0",):
-        out["qs"] = pack_bytes(v)
-    elif name in ("Q2_K",):
-        out["qs"] = pack_crumbs(v, 0)
-    elif name in ("Q3_K",):
-        out["qs"] = pack_crumbs(v, 0)
-        out["hb"] = pack_bits(v, 2)
-    elif name in ("Q6_K",):
-        out["qs"] = pack_nibbles(v)
-        out["hb"] = pack_crumbs(v, 4)
-    elif name in ("Q5_0", "Q5_1", "Q5_K"):
-        out["qs"] = pack_nibbles(v)
-        out["hb"] = pack_bits(v, 4)
-    else:  # 4-bit values or table indices
-        out["qs"] = pack_nibbles(v)
-    for key in ("d", "m", "dmin"):
-        if key in sc:
-            out[key] = pack_row_values(sc[key].astype(np.float16).reshape(n, nb), nb)
-    for key in ("sc", "mn"):
-        if key in sc:
-            a = sc[key].reshape(n, nb, -1)
-            out[key] = pack_row_values(a.reshape(n, -1).astype(np.int8 if a.dtype == np.int8 else np.uint8),
-                                       a.shape[1] * a.shape[2])
-    return out
+def _alloc(name: str, Np: int, K: int) -> dict[str, np.ndarray]:
+    """The empty field arrays of an (Np, K) weight."""
+    tiles, nc = Np // ROWS, K // 32
+    if name in FLOAT_FORMATS:
+        return {"w": np.empty(Np * K * (4 if name == "F32" else 2), np.uint8)}
+    nb = K // quants.block_size(name)
+    fields = {"qs": np.empty(tiles * nc * _QS_BYTES.get(name, 256), np.uint8)}
+    if name in _HB_BYTES:
+        fields["hb"] = np.empty(tiles * nc * _HB_BYTES[name], np.uint8)
+    code = _CODE[name]
+    if _N_SC[code]:
+        fields["sc"] = np.empty(Np * nb * _N_SC[code], np.uint8)
+        if _HAS_MN[code]:
+            fields["mn"] = np.empty(Np * nb * _N_SC[code], np.uint8)
+    fields["d"] = np.empty(Np * nb * 2, np.uint8)
+    if _M_OFF[code] >= 0:
+        fields["dmin" if name in SUPERBLOCK_FORMATS else "m"] = np.empty(Np * nb * 2, np.uint8)
+    return fields
+
+
+def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> None:
+    """Pack a slab of whole tiles (rows.shape[0] % 16 == 0) into ``fields`` from tile t0."""
+    if name in FLOAT_FORMATS:
+        dt = np.uint32 if name == "F32" else np.uint16
+        _repack_float(slab.view(dt), t0, fields["w"].view(dt))
+        return
+    code = _CODE[name]
+    _repack_quants(code, slab, K, t0, fields["qs"], fields.get("hb", _EMPTY))
+    m = fields.get("m", fields.get("dmin", _EMPTY))
+    _repack_scales(code, slab, K, t0, fields["d"], m, fields.get("sc", _EMPTY),
+                   fields.get("mn", _EMPTY))
 
 
 _PACKED = {
@@ -222,13 +291,6 @@ _PACKED = {
 def packed_class(name: str):
     """The namedtuple class holding a packed weight of GGML type ``name``."""
     return _PACKED[name]
-
-
-def _pack_float(name: str, rows: np.ndarray, K: int) -> np.ndarray:
-    """Float rows -> [tile][k][row] elements (the element's own width), as bytes."""
-    dt = {"F32": np.uint32, "F16": np.uint16, "BF16": np.uint16}[name]
-    a = rows.view(dt).reshape(rows.shape[0], K)
-    return pack_row_values(a, K)
 
 
 def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
@@ -253,22 +315,13 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
     row_bytes = quants.row_nbytes(name, K)
     rows = np.asarray(raw, np.uint8).reshape(N, row_bytes)
     Np = -(-N // ROWS) * ROWS
-    fields: dict[str, np.ndarray] = {}
+    fields = _alloc(name, Np, K)
     for r0 in range(0, Np, _ROW_STEP):
         r1 = min(Np, r0 + _ROW_STEP)
         slab = rows[r0:min(r1, N)]
         if slab.shape[0] < r1 - r0:  # zero rows pad the last tile; their outputs are dropped
             slab = np.concatenate([slab, np.zeros((r1 - r0 - slab.shape[0], row_bytes), np.uint8)])
-        if name in FLOAT_FORMATS:
-            packed = {"w": _pack_float(name, slab, K)}
-        else:
-            packed = _pack_rows(name, slab, K)
-        # Slabs are whole tiles and the layouts are tile-major: each lands at its byte offset.
-        for key, arr in packed.items():
-            if key not in fields:
-                fields[key] = np.empty(arr.size * Np // (r1 - r0), np.uint8)
-            per_row = arr.size // (r1 - r0)
-            fields[key][r0 * per_row:r1 * per_row] = arr
+        _pack_slab(name, np.ascontiguousarray(slab), K, r0 // ROWS, fields)
         if done is not None:
             done(r0 * row_bytes, min(r1, N) * row_bytes)
     if name in ("IQ4_NL", "IQ4_XS"):
