@@ -56,120 +56,122 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _IQ4_NL, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _
 _TYPE_SIZE = (18, 20, 22, 24, 34, 18, 84, 110, 144, 176, 210, 136)
 _D_OFF = (0, 0, 0, 0, 0, 0, 80, 108, 0, 0, 208, 0)
 _M_OFF = (-1, 2, -1, 2, -1, -1, 82, -1, 2, 2, -1, -1)
+_QS_OFF = (2, 4, 6, 8, 2, 2) + (0,) * 6  # qs (nibbles) offset in the 32-wide formats
 _N_SC = (0, 0, 0, 0, 0, 0, 16, 16, 8, 8, 16, 8)
 _HAS_MN = (False,) * 6 + (True, False, True, True, False, False)
 
 
-@njit(inline="always")
-def _nibble_pairs(row, o, out):
-    """16 bytes at ``o``: low nibbles are elements 0..15, high nibbles 16..31."""
-    for i in range(16):
-        b = row[o + i]
-        out[i] = b & 15
-        out[16 + i] = b >> 4
+M01 = 0x01010101
+M03 = 0x03030303
+M0F = 0x0F0F0F0F
 
 
 @njit(inline="always")
-def _chunk_values(code, row, c, out):
-    """The 32 values of chunk ``c`` of a raw GGUF row, as the tiles store them (the
-    reference unpackers' quants shifted to be unsigned), into ``out``."""
+def _ld32(row, o):
+    """The little-endian 32-bit word at byte ``o`` (any alignment)."""
+    return (np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16)
+            | (np.int64(row[o + 3]) << 24))
+
+
+@njit(inline="always")
+def _spread4(b):
+    """Bits 0..3 of ``b`` -> bit 0 of bytes 0..3 (no two partial products overlap)."""
+    return (b * 0x00204081) & M01
+
+
+@njit(inline="always")
+def _chunk_words(code, row, c, v):
+    """Chunk ``c`` (32 elements) of a raw GGUF row as 8 words, byte i of ``v[j]`` holding
+    element 4j+i as the tiles store it (the reference unpackers' quants made unsigned)."""
     if code <= _IQ4_NL:
         o = c * _TYPE_SIZE[code]
         if code == _Q8_0:
-            for i in range(32):
-                out[i] = row[o + 2 + i] ^ 0x80
-        elif code == _Q5_0 or code == _Q5_1:
-            qh = o + 2 if code == _Q5_0 else o + 4
-            _nibble_pairs(row, qh + 4, out)
-            for i in range(32):
-                out[i] |= ((row[qh + i // 8] >> (i % 8)) & 1) << 4
-        else:
-            _nibble_pairs(row, o + 4 if code == _Q4_1 else o + 2, out)
+            for j in range(8):
+                v[j] = _ld32(row, o + 2 + 4 * j) ^ 0x80808080
+            return
+        q = o + _QS_OFF[code]
+        for j in range(4):  # low nibbles: elements 0..15, high nibbles: 16..31
+            w = _ld32(row, q + 4 * j)
+            v[j] = w & M0F
+            v[j + 4] = (w >> 4) & M0F
+        if code == _Q5_0 or code == _Q5_1:  # fifth bit of element e: bit e of qh (4 bytes)
+            for j in range(8):
+                v[j] |= _spread4((np.int64(row[q - 4 + j // 2]) >> (4 * (j % 2))) & 15) << 4
         return
     o = c // 8 * _TYPE_SIZE[code]
     s = c % 8  # 32-element group within the 256-element superblock
     if code == _Q2_K or code == _Q3_K:
-        q = o + 16 + s // 4 * 32 if code == _Q2_K else o + 32 + s // 4 * 32
-        sh = 2 * (s % 4)
-        for i in range(32):
-            out[i] = (row[q + i] >> sh) & 3
-        if code == _Q3_K:
-            for i in range(32):
-                out[i] |= ((row[o + i] >> s) & 1) << 2
+        q = o + (16 if code == _Q2_K else 32) + s // 4 * 32
+        for j in range(8):
+            v[j] = (_ld32(row, q + 4 * j) >> (2 * (s % 4))) & M03
+        if code == _Q3_K:  # hmask bit s of byte l is element 32s + l's bit 2
+            for j in range(8):
+                v[j] |= ((_ld32(row, o + 4 * j) >> s) & M01) << 2
     elif code == _Q4_K or code == _Q5_K:
-        q = o + 16 + s // 2 * 32 if code == _Q4_K else o + 48 + s // 2 * 32
-        sh = 4 * (s % 2)
-        for i in range(32):
-            out[i] = (row[q + i] >> sh) & 15
+        q = o + (16 if code == _Q4_K else 48) + s // 2 * 32
+        for j in range(8):
+            v[j] = (_ld32(row, q + 4 * j) >> (4 * (s % 2))) & M0F
         if code == _Q5_K:
-            for i in range(32):
-                out[i] |= ((row[o + 16 + i] >> s) & 1) << 4
+            for j in range(8):
+                v[j] |= ((_ld32(row, o + 16 + 4 * j) >> s) & M01) << 4
     elif code == _Q6_K:
         q = o + s // 4 * 64 + (s % 2) * 32
-        sh = 4 * ((s % 4) // 2)
         qh = o + 128 + s // 4 * 32
-        hs = 2 * (s % 4)
-        for i in range(32):
-            out[i] = ((row[q + i] >> sh) & 15) | (((row[qh + i] >> hs) & 3) << 4)
-    else:  # IQ4_XS: one 16-byte group per 32-element sub-block
-        _nibble_pairs(row, o + 8 + 16 * s, out)
+        for j in range(8):
+            v[j] = (((_ld32(row, q + 4 * j) >> (4 * ((s % 4) // 2))) & M0F)
+                    | (((_ld32(row, qh + 4 * j) >> (2 * (s % 4))) & M03) << 4))
+    else:  # IQ4_XS: one 16-byte group per 32-element sub-block, like Q4_0's
+        q = o + 8 + 16 * s
+        for j in range(4):
+            w = _ld32(row, q + 4 * j)
+            v[j] = w & M0F
+            v[j + 4] = (w >> 4) & M0F
 
 
 @njit(inline="always")
-def _store_nibbles(v, qs, o):
-    for g in range(4):
-        for r in range(ROWS):
-            for i in range(4):
-                qs[o + g * 64 + r * 4 + i] = (v[r, 4 * g + i] & 15) | ((v[r, 16 + 4 * g + i] & 15) << 4)
+def _store_bits(v, shift, out, o):
+    """One row's pack_bits word: bit j of byte i = bit ``shift`` of element 4j+i."""
+    w = 0
+    for j in range(8):
+        w |= ((v[j] >> shift) & M01) << j
+    out[o] = w
 
 
 @njit(inline="always")
-def _store_bits(v, shift, hb, o):
-    for r in range(ROWS):
-        for i in range(4):
-            b = 0
-            for j in range(8):
-                b |= ((v[r, 4 * j + i] >> shift) & 1) << j
-            hb[o + r * 4 + i] = b
-
-
-@njit(inline="always")
-def _store_crumbs(v, shift, qs, o):
+def _store_crumbs(v, shift, out, o):
+    """One row's two crumb words (16 words apart): bits 2j of byte i of word ``half`` = two
+    bits (from ``shift``) of element 16*half + 4j + i."""
     for half in range(2):
-        for r in range(ROWS):
-            for i in range(4):
-                b = 0
-                for j in range(4):
-                    b |= ((v[r, 16 * half + 4 * j + i] >> shift) & 3) << (2 * j)
-                qs[o + half * 64 + r * 4 + i] = b
+        w = 0
+        for j in range(4):
+            w |= ((v[4 * half + j] >> shift) & M03) << (2 * j)
+        out[o + 16 * half] = w
 
 
 @njit(cache=True, parallel=True)
 def _repack_quants(code, rows, K, t0, qs, hb):
-    """Values of whole tiles of raw rows -> the qs (and hb) words of tiles t0.. ."""
+    """Values of whole tiles of raw rows -> the qs (and hb) uint32 words of tiles t0.. ."""
     nc = K // 32
     for t in prange(rows.shape[0] // ROWS):
-        v = np.empty((ROWS, 32), np.uint8)
+        v = np.empty(8, np.int64)
         for c in range(nc):
-            for r in range(ROWS):
-                _chunk_values(code, rows[t * ROWS + r], c, v[r])
             tc = (t0 + t) * nc + c
-            if code == _Q8_0:
-                for j in range(8):
-                    for r in range(ROWS):
-                        for i in range(4):
-                            qs[tc * 512 + j * 64 + r * 4 + i] = v[r, 4 * j + i]
-            elif code == _Q2_K:
-                _store_crumbs(v, 0, qs, tc * 128)
-            elif code == _Q3_K:
-                _store_crumbs(v, 0, qs, tc * 128)
-                _store_bits(v, 2, hb, tc * 64)
-            else:
-                _store_nibbles(v, qs, tc * 256)
-                if code == _Q6_K:
-                    _store_crumbs(v, 4, hb, tc * 128)
-                elif code == _Q5_0 or code == _Q5_1 or code == _Q5_K:
-                    _store_bits(v, 4, hb, tc * 64)
+            for r in range(ROWS):
+                _chunk_words(code, rows[t * ROWS + r], c, v)
+                if code == _Q8_0:
+                    for j in range(8):
+                        qs[tc * 128 + j * 16 + r] = v[j]
+                elif code == _Q2_K or code == _Q3_K:
+                    _store_crumbs(v, 0, qs, tc * 32 + r)
+                    if code == _Q3_K:
+                        _store_bits(v, 2, hb, tc * 16 + r)
+                else:
+                    for g in range(4):
+                        qs[tc * 64 + g * 16 + r] = (v[g] & M0F) | ((v[g + 4] & M0F) << 4)
+                    if code == _Q6_K:
+                        _store_crumbs(v, 4, hb, tc * 32 + r)
+                    elif code == _Q5_0 or code == _Q5_1 or code == _Q5_K:
+                        _store_bits(v, 4, hb, tc * 16 + r)
 
 
 @njit(inline="always")
@@ -274,7 +276,8 @@ def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> No
         _repack_float(slab.view(dt), t0, fields["w"].view(dt))
         return
     code = _CODE[name]
-    _repack_quants(code, slab, K, t0, fields["qs"], fields.get("hb", _EMPTY))
+    _repack_quants(code, slab, K, t0, fields["qs"].view(np.uint32),
+                   fields.get("hb", _EMPTY).view(np.uint32))
     m = fields.get("m", fields.get("dmin", _EMPTY))
     _repack_scales(code, slab, K, t0, fields["d"], m, fields.get("sc", _EMPTY),
                    fields.get("mn", _EMPTY))
