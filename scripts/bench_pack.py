@@ -9,6 +9,6 @@ for name in names:
     raw = rng.integers(0, 256, size=N * quants.row_nbytes(name, K), dtype=np.uint8)
     P.pack_weight(name, raw[: 16 * quants.row_nbytes(name, K)], 16, K)  # compile
     best = 1e9
-    for _ in range(3):
+    for _ in range(15):
         t = time.perf_counter(); P.pack_weight(name, raw, N, K); best = min(best, time.perf_counter() - t)
     print(f"{name:7s} {raw.nbytes/1e6:7.1f} MB {best*1e3:7.1f} ms {raw.nbytes/best/1e9:6.2f} GB/s", flush=True)
