@@ -3,7 +3,7 @@
 Rows are the vector lanes. A tile's row data is cut into 32-element chunks; within a chunk,
 lane ``r`` of vector ``j`` (0..7) holds elements ``4j..4j+3`` of row ``r`` as bytes, so one
 ``vpdpbusd`` against 4 broadcast activation bytes advances 16 rows at once. Each bit width
-has a fixed packing of those bytes (see the ``_store_*`` helpers); scales are stored per tile
+has a fixed packing of those bytes (see ``_repack_quants``); scales are stored per tile
 as 16 consecutive values, one per row.
 """
 
@@ -225,18 +225,6 @@ def _repack_scales(code, rows, K, t0, d, m, sc, mn):
                         mn[(ob * ns) + j * ROWS + r] = z
 
 
-@njit(cache=True, parallel=True)
-def _repack_float(rows, t0, out):
-    """Float rows (Np, K) of one element width -> [tile][k][row] elements at tiles t0.. ."""
-    K = rows.shape[1]
-    for t in prange(rows.shape[0] // ROWS):
-        base = (t0 + t) * K * ROWS
-        for r in range(ROWS):
-            row = rows[t * ROWS + r]
-            for k in range(K):
-                out[base + k * ROWS + r] = row[k]
-
-
 def _lut(table) -> np.ndarray:
     return np.tile(np.asarray(table, np.int16).astype(np.uint8), 4)
 
@@ -272,8 +260,11 @@ def _alloc(name: str, Np: int, K: int) -> dict[str, np.ndarray]:
 def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> None:
     """Pack a slab of whole tiles (rows.shape[0] % 16 == 0) into ``fields`` from tile t0."""
     if name in FLOAT_FORMATS:
+        # a plain transpose runs at memory speed already; no kernel to compile
         dt = np.uint32 if name == "F32" else np.uint16
-        _repack_float(slab.view(dt), t0, fields["w"].view(dt))
+        n = slab.shape[0]
+        out = fields["w"].view(dt).reshape(-1, K, ROWS)   # [tile][k][row]
+        out[t0:t0 + n // ROWS] = slab.view(dt).reshape(n // ROWS, ROWS, K).transpose(0, 2, 1)
         return
     code = _CODE[name]
     _repack_quants(code, slab, K, t0, fields["qs"].view(np.uint32),
