@@ -315,7 +315,9 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
         slab = rows[r0:min(r1, N)]
         if slab.shape[0] < r1 - r0:  # zero rows pad the last tile; their outputs are dropped
             slab = np.concatenate([slab, np.zeros((r1 - r0 - slab.shape[0], row_bytes), np.uint8)])
-        _pack_slab(name, np.ascontiguousarray(slab), K, r0 // ROWS, fields)
+        slab = np.ascontiguousarray(slab).view()
+        slab.flags.writeable = False  # as a mapped file's: one compiled signature for both
+        _pack_slab(name, slab, K, r0 // ROWS, fields)
         if done is not None:
             done(r0 * row_bytes, min(r1, N) * row_bytes)
     if name in ("IQ4_NL", "IQ4_XS"):
