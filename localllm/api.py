@@ -65,7 +65,7 @@ class LoadSettings:
     gpu_layers: int | str = "auto"     # layers on the GPU backend (the last ones): N, auto, all
     models_dir: str | None = None      # model cache directory override
     download: bool = True              # fetch known model names when not cached
-    weight_cache: bool = True          # keep repacked weights on disk for faster loads
+    weight_cache: bool = False         # also keep repacked weights on disk (a second copy)
     ctk: str = "f16"                   # KV cache type of keys ...
     ctv: str = "f16"                   # ... and of values (see KV_TYPES)
     kv_block_size: int = 16            # tokens per KV block (a multiple of 16)

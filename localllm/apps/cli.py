@@ -54,8 +54,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                    help="chat template: a builtin name or a Jinja file")
     p.add_argument("--models-dir", default=None, help="model cache directory")
-    p.add_argument("--no-weight-cache", action="store_true",
-                   help="repack weights on every load instead of keeping them on disk")
+    p.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep the repacked weights on disk, a second copy of the model's size "
+                        "read back on later loads (default: repack on every load)")
     kv = "KV cache type: f16 (default), bf16, q8_0, q4_0 or fp8"
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help=kv + " (keys)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help=kv + " (values)")
@@ -87,7 +88,7 @@ def _model_settings(args) -> dict:
                          param="kv_pool_mb")
     return dict(ctx_size=args.ctx_size, threads=args.threads, batch_size=args.batch_size,
                 chat_template=args.chat_template, models_dir=args.models_dir,
-                weight_cache=not args.no_weight_cache, ctk=args.cache_type_k,
+                weight_cache=args.weight_cache, ctk=args.cache_type_k,
                 ctv=args.cache_type_v, kv_block_size=args.kv_block_size,
                 kv_pool_mb=args.kv_pool_mb, backend=args.backend,
                 gpu_layers=_gpu_layers(args.gpu_layers))
@@ -523,7 +524,7 @@ def cmd_pull(args) -> int:
     from localllm.api import load
     from localllm.formats.fetch import fetch
     path = fetch(args.name, args.models_dir)
-    # Build its kernels and repacked weights now, so that its first run starts at once.
+    # Build its kernels now, so that its first run starts at once.
     _configure(0)
     load(path, models_dir=args.models_dir, compile_progress=_CompileLine()).close()
     print(path)

@@ -1,5 +1,5 @@
 """A file of repacked weights beside the model cache, so later loads read the kernels' layout
-directly instead of repacking it (a plain read is several times faster than repacking).
+directly instead of repacking it (opt-in: repacking now runs about as fast as the read).
 
 The file is named by the GGUF file's identity (size, head and tail bytes) and a hash of the
 packing code; anything else is a different file. Layout: 8-byte magic, 8-byte JSON length,

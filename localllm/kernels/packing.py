@@ -3,7 +3,7 @@
 Rows are the vector lanes. A tile's row data is cut into 32-element chunks; within a chunk,
 lane ``r`` of vector ``j`` (0..7) holds elements ``4j..4j+3`` of row ``r`` as bytes, so one
 ``vpdpbusd`` against 4 broadcast activation bytes advances 16 rows at once. Each bit width
-has a fixed packing of those bytes (see the ``pack_*`` functions); scales are stored per tile
+has a fixed packing of those bytes (see ``_repack_quants``); scales are stored per tile
 as 16 consecutive values, one per row.
 """
 
@@ -48,86 +48,181 @@ FLOAT_FORMATS = frozenset({"F32", "F16", "BF16"})
 _ROW_STEP = 4096
 
 
-@njit(cache=True, parallel=True)
-def pack_nibbles(v):
-    """Values 0..15, (Np, K) uint8 -> bytes: per chunk-tile [g 0..3][row][i 0..3] holding
-    element 4g+i in the low nibble and element 16+4g+i in the high nibble (256 bytes)."""
-    n, K = v.shape
-    nc = K // 32
-    out = np.empty(n // ROWS * nc * 256, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
-        for g in range(4):
-            for r in range(ROWS):
-                o = tc * 256 + g * 64 + r * 4
-                for i in range(4):
-                    e = e0 + 4 * g + i
-                    out[o + i] = (v[row0 + r, e] & 15) | ((v[row0 + r, e + 16] & 15) << 4)
-    return out
+# Format codes of the repack kernels. The 32-wide formats come first (one block per chunk).
+_CODE = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "IQ4_NL": 5,
+         "Q2_K": 6, "Q3_K": 7, "Q4_K": 8, "Q5_K": 9, "Q6_K": 10, "IQ4_XS": 11}
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _IQ4_NL, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_XS = range(12)
+# Per code: block bytes; byte offset of d, of m / dmin (-1: none); sub-block scales per block.
+_TYPE_SIZE = (18, 20, 22, 24, 34, 18, 84, 110, 144, 176, 210, 136)
+_D_OFF = (0, 0, 0, 0, 0, 0, 80, 108, 0, 0, 208, 0)
+_M_OFF = (-1, 2, -1, 2, -1, -1, 82, -1, 2, 2, -1, -1)
+_QS_OFF = (2, 4, 6, 8, 2, 2) + (0,) * 6  # qs (nibbles) offset in the 32-wide formats
+_N_SC = (0, 0, 0, 0, 0, 0, 16, 16, 8, 8, 16, 8)
+_HAS_MN = (False,) * 6 + (True, False, True, True, False, False)
 
 
-@njit(cache=True, parallel=True)
-def pack_bytes(v):
-    """Values 0..255, (Np, K) uint8 -> bytes: per chunk-tile [j 0..7][row][i] = element 4j+i."""
-    n, K = v.shape
-    nc = K // 32
-    out = np.empty(n // ROWS * nc * 512, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
+M01 = 0x01010101
+M03 = 0x03030303
+M0F = 0x0F0F0F0F
+
+
+@njit(inline="always")
+def _ld32(row, o):
+    """The little-endian 32-bit word at byte ``o`` (any alignment)."""
+    return (np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16)
+            | (np.int64(row[o + 3]) << 24))
+
+
+@njit(inline="always")
+def _spread4(b):
+    """Bits 0..3 of ``b`` -> bit 0 of bytes 0..3 (no two partial products overlap)."""
+    return (b * 0x00204081) & M01
+
+
+@njit(inline="always")
+def _chunk_words(code, row, c, v):
+    """Chunk ``c`` (32 elements) of a raw GGUF row as 8 words, byte i of ``v[j]`` holding
+    element 4j+i as the tiles store it (the reference unpackers' quants made unsigned)."""
+    if code <= _IQ4_NL:
+        o = c * _TYPE_SIZE[code]
+        if code == _Q8_0:
+            for j in range(8):
+                v[j] = _ld32(row, o + 2 + 4 * j) ^ 0x80808080
+            return
+        q = o + _QS_OFF[code]
+        for j in range(4):  # low nibbles: elements 0..15, high nibbles: 16..31
+            w = _ld32(row, q + 4 * j)
+            v[j] = w & M0F
+            v[j + 4] = (w >> 4) & M0F
+        if code == _Q5_0 or code == _Q5_1:  # fifth bit of element e: bit e of qh (4 bytes)
+            for j in range(8):
+                v[j] |= _spread4((np.int64(row[q - 4 + j // 2]) >> (4 * (j % 2))) & 15) << 4
+        return
+    o = c // 8 * _TYPE_SIZE[code]
+    s = c % 8  # 32-element group within the 256-element superblock
+    if code == _Q2_K or code == _Q3_K:
+        q = o + (16 if code == _Q2_K else 32) + s // 4 * 32
         for j in range(8):
-            for r in range(ROWS):
-                o = tc * 512 + j * 64 + r * 4
-                for i in range(4):
-                    out[o + i] = v[row0 + r, e0 + 4 * j + i]
-    return out
+            v[j] = (_ld32(row, q + 4 * j) >> (2 * (s % 4))) & M03
+        if code == _Q3_K:  # hmask bit s of byte l is element 32s + l's bit 2
+            for j in range(8):
+                v[j] |= ((_ld32(row, o + 4 * j) >> s) & M01) << 2
+    elif code == _Q4_K or code == _Q5_K:
+        q = o + (16 if code == _Q4_K else 48) + s // 2 * 32
+        for j in range(8):
+            v[j] = (_ld32(row, q + 4 * j) >> (4 * (s % 2))) & M0F
+        if code == _Q5_K:
+            for j in range(8):
+                v[j] |= ((_ld32(row, o + 16 + 4 * j) >> s) & M01) << 4
+    elif code == _Q6_K:
+        q = o + s // 4 * 64 + (s % 2) * 32
+        qh = o + 128 + s // 4 * 32
+        for j in range(8):
+            v[j] = (((_ld32(row, q + 4 * j) >> (4 * ((s % 4) // 2))) & M0F)
+                    | (((_ld32(row, qh + 4 * j) >> (2 * (s % 4))) & M03) << 4))
+    else:  # IQ4_XS: one 16-byte group per 32-element sub-block, like Q4_0's
+        q = o + 8 + 16 * s
+        for j in range(4):
+            w = _ld32(row, q + 4 * j)
+            v[j] = w & M0F
+            v[j + 4] = (w >> 4) & M0F
+
+
+@njit(inline="always")
+def _store_bits(v, shift, out, o):
+    """One row's pack_bits word: bit j of byte i = bit ``shift`` of element 4j+i."""
+    w = 0
+    for j in range(8):
+        w |= ((v[j] >> shift) & M01) << j
+    out[o] = w
+
+
+@njit(inline="always")
+def _store_crumbs(v, shift, out, o):
+    """One row's two crumb words (16 words apart): bits 2j of byte i of word ``half`` = two
+    bits (from ``shift``) of element 16*half + 4j + i."""
+    for half in range(2):
+        w = 0
+        for j in range(4):
+            w |= ((v[4 * half + j] >> shift) & M03) << (2 * j)
+        out[o + 16 * half] = w
 
 
 @njit(cache=True, parallel=True)
-def pack_bits(v, shift):
-    """Bit ``shift`` of each value, (Np, K) uint8 -> bytes: per chunk-tile [row][i] with bit j
-    = element 4j+i (64 bytes)."""
-    n, K = v.shape
+def _repack_quants(code, rows, K, t0, qs, hb):
+    """Values of whole tiles of raw rows -> the qs (and hb) uint32 words of tiles t0.. ."""
     nc = K // 32
-    out = np.empty(n // ROWS * nc * 64, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
-        for r in range(ROWS):
-            for i in range(4):
-                b = 0
-                for j in range(8):
-                    b |= ((v[row0 + r, e0 + 4 * j + i] >> shift) & 1) << j
-                out[tc * 64 + r * 4 + i] = b
-    return out
+    for t in prange(rows.shape[0] // ROWS):
+        v = np.empty(8, np.int64)
+        for c in range(nc):
+            tc = (t0 + t) * nc + c
+            for r in range(ROWS):
+                _chunk_words(code, rows[t * ROWS + r], c, v)
+                if code == _Q8_0:
+                    for j in range(8):
+                        qs[tc * 128 + j * 16 + r] = v[j]
+                elif code == _Q2_K or code == _Q3_K:
+                    _store_crumbs(v, 0, qs, tc * 32 + r)
+                    if code == _Q3_K:
+                        _store_bits(v, 2, hb, tc * 16 + r)
+                else:
+                    for g in range(4):
+                        qs[tc * 64 + g * 16 + r] = (v[g] & M0F) | ((v[g + 4] & M0F) << 4)
+                    if code == _Q6_K:
+                        _store_crumbs(v, 4, hb, tc * 32 + r)
+                    elif code == _Q5_0 or code == _Q5_1 or code == _Q5_K:
+                        _store_bits(v, 4, hb, tc * 16 + r)
+
+
+@njit(inline="always")
+def _sub_scales(code, row, o, j):
+    """Sub-block ``j``'s scale and min bytes (int8 scales as their bytes) of the block at ``o``."""
+    if code == _Q2_K:
+        b = np.int64(row[o + j])
+        return b & 15, b >> 4
+    if code == _Q3_K:
+        s = o + 96
+        low = np.int64(row[s + j % 8]) >> (4 * (j // 8)) & 15
+        high = (np.int64(row[s + 8 + j % 4]) >> (2 * (j // 4))) & 3
+        return ((low | (high << 4)) - 32) & 255, np.int64(0)
+    if code == _Q4_K or code == _Q5_K:
+        s = o + 4
+        if j < 4:
+            return np.int64(row[s + j]) & 63, np.int64(row[s + 4 + j]) & 63
+        p = np.int64(row[s + 4 + j])
+        return ((p & 15) | ((np.int64(row[s + j - 4]) >> 6) << 4),
+                (p >> 4) | ((np.int64(row[s + j]) >> 6) << 4))
+    if code == _Q6_K:
+        return np.int64(row[o + 192 + j]), np.int64(0)
+    # IQ4_XS
+    low = (np.int64(row[o + 4 + j // 2]) >> (4 * (j % 2))) & 15
+    high = ((np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8)) >> (2 * j)) & 3
+    return ((low | (high << 4)) - 32) & 255, np.int64(0)
 
 
 @njit(cache=True, parallel=True)
-def pack_crumbs(v, shift):
-    """Two bits (from ``shift``) of each value, (Np, K) uint8 -> bytes: per chunk-tile two words
-    [half][row][i] with bits 2j..2j+1 = element 16*half + 4j + i (128 bytes)."""
-    n, K = v.shape
-    nc = K // 32
-    out = np.empty(n // ROWS * nc * 128, np.uint8)
-    for tc in prange(n // ROWS * nc):
-        row0 = tc // nc * ROWS
-        e0 = tc % nc * 32
-        for half in range(2):
+def _repack_scales(code, rows, K, t0, d, m, sc, mn):
+    """Per-block f16 scales (copied bit for bit) and sub-block scales of whole tiles of raw
+    rows -> the [tile][block][sub-block][row] arrays of tiles t0.. ."""
+    ts = _TYPE_SIZE[code]
+    nb = K // 32 if code <= _IQ4_NL else K // 256
+    do, mo, ns = _D_OFF[code], _M_OFF[code], _N_SC[code]
+    for t in prange(rows.shape[0] // ROWS):
+        for b in range(nb):
+            ob = ((t0 + t) * nb + b) * ROWS
             for r in range(ROWS):
-                for i in range(4):
-                    b = 0
-                    for j in range(4):
-                        b |= ((v[row0 + r, e0 + 16 * half + 4 * j + i] >> shift) & 3) << (2 * j)
-                    out[tc * 128 + half * 64 + r * 4 + i] = b
-    return out
-
-
-def pack_row_values(a: np.ndarray, per_row: int) -> np.ndarray:
-    """Per-row values (Np, per_row) -> bytes laid out [tile][per_row][row] (16 per group)."""
-    n = a.shape[0]
-    t = a.reshape(n // ROWS, ROWS, per_row).transpose(0, 2, 1)
-    return np.ascontiguousarray(t).view(np.uint8).reshape(-1)
+                row = rows[t * ROWS + r]
+                o = b * ts
+                d[(ob + r) * 2] = row[o + do]
+                d[(ob + r) * 2 + 1] = row[o + do + 1]
+                if mo >= 0:
+                    m[(ob + r) * 2] = row[o + mo]
+                    m[(ob + r) * 2 + 1] = row[o + mo + 1]
+                for j in range(ns):
+                    a, z = _sub_scales(code, row, o, j)
+                    sc[(ob * ns) + j * ROWS + r] = a
+                    if _HAS_MN[code]:
+                        mn[(ob * ns) + j * ROWS + r] = z
 
 
 def _lut(table) -> np.ndarray:
@@ -136,79 +231,47 @@ def _lut(table) -> np.ndarray:
 
 _IQ4_LUT = _lut(quants.IQ4NL_VALUES.astype(np.int16) + 128)
 
-
-def _values_and_scales(name: str, blocks: np.ndarray):
-    """Integer values (nb, bs) as stored in the tiles plus per-block scale arrays."""
-    q = quants
-    if name == "Q4_0":
-        return (q.q4_0_quants(blocks) + np.int8(8)).view(np.uint8), {"d": q.half_field(blocks, name, "d")}
-    if name == "Q4_1":
-        return q.q4_1_quants(blocks), {"d": q.half_field(blocks, name, "d"),
-                                       "m": q.half_field(blocks, name, "m")}
-    if name == "Q5_0":
-        return (q.q5_0_quants(blocks) + np.int8(16)).view(np.uint8), {"d": q.half_field(blocks, name, "d")}
-    if name == "Q5_1":
-        return q.q5_1_quants(blocks), {"d": q.half_field(blocks, name, "d"),
-                                       "m": q.half_field(blocks, name, "m")}
-    if name == "Q8_0":
-        # int8 q + 128 as a byte is q with its sign bit flipped
-        return q.field(blocks, name, "qs") ^ np.uint8(0x80), {"d": q.half_field(blocks, name, "d")}
-    if name == "IQ4_NL":
-        return q.iq4nl_indices(blocks), {"d": q.half_field(blocks, name, "d")}
-    if name == "Q2_K":
-        sc, mn = q.q2k_scales_mins(blocks)
-        return q.q2k_quants(blocks), {"d": q.half_field(blocks, name, "d"),
-                                      "dmin": q.half_field(blocks, name, "dmin"), "sc": sc, "mn": mn}
-    if name == "Q3_K":
-        return (q.q3k_quants(blocks) + np.int8(4)).view(np.uint8), {"d": q.half_field(blocks, name, "d"),
-                                            "sc": q.q3k_scales(blocks)}
-    if name in ("Q4_K", "Q5_K"):
-        sc, mn = q.kquant_scales_mins(blocks)
-        vals = q.q4k_quants(blocks) if name == "Q4_K" else q.q5k_quants(blocks)
-        return vals, {"d": q.half_field(blocks, name, "d"), "dmin": q.half_field(blocks, name, "dmin"),
-                      "sc": sc, "mn": mn}
-    if name == "Q6_K":
-        return (q.q6k_quants(blocks) + np.int8(32)).view(np.uint8), {"d": q.half_field(blocks, name, "d"),
-                                             "sc": q.q6k_scales(blocks)}
-    if name == "IQ4_XS":
-        return q.iq4xs_indices(blocks), {"d": q.half_field(blocks, name, "d"),
-                                         "sc": q.iq4xs_scales(blocks)}
-    raise ValueError(f"no packing for {name}")
+# Bytes per tile-chunk of each format's qs / hb words.
+_QS_BYTES = {"Q8_0": 512, "Q2_K": 128, "Q3_K": 128}
+_HB_BYTES = {"Q3_K": 64, "Q5_0": 64, "Q5_1": 64, "Q5_K": 64, "Q6_K": 128}
+_EMPTY = np.empty(0, np.uint8)
 
 
-def _pack_rows(name: str, rows: np.ndarray, K: int) -> dict[str, np.ndarray]:
-    """Pack a slab of whole tiles (rows.shape[0] % 16 == 0) into the format's byte arrays."""
-    n = rows.shape[0]
-    bs = quants.block_size(name)
-    nb = K // bs
-    blocks = rows.reshape(n * nb, quants.type_size(name))
-    vals, sc = _values_and_scales(name, blocks)
-    v = np.ascontiguousarray(vals, dtype=np.uint8).reshape(n, K)
-    out: dict[str, np.ndarray] = {}
-    if name in ("Q8_0",):
-        out["qs"] = pack_bytes(v)
-    elif name in ("Q2_K",):
-        out["qs"] = pack_crumbs(v, 0)
-    elif name in ("Q3_K",):
-        out["qs"] = pack_crumbs(v, 0)
-        out["hb"] = pack_bits(v, 2)
-    elif name in ("Q6_K",):
-        out["qs"] = pack_nibbles(v)
-        out["hb"] = pack_crumbs(v, 4)
-    elif name in ("Q5_0", "Q5_1", "Q5_K"):
-        out["qs"] = pack_nibbles(v)
-        out["hb"] = pack_bits(v, 4)
-    else:  # 4-bit values or table indices
-        out["qs"] = pack_nibbles(v)
-    for key in ("d", "m", "dmin"):
-        if key in sc:
-            out[key] = pack_row_values(sc[key].astype(np.float16).reshape(n, nb), nb)
-    for key in ("sc", "mn"):
-        if key in sc:
-            a = sc[key].reshape(n, nb, -1)
-            out[key] = pack_row_values(a.reshape(n, -1).astype(np.int8 if a.dtype == np.int8 else np.uint8),
-                                       a.shape[1] * a.shape[2])
-    return out
+def _alloc(name: str, Np: int, K: int) -> dict[str, np.ndarray]:
+    """The empty field arrays of an (Np, K) weight."""
+    tiles, nc = Np // ROWS, K // 32
+    if name in FLOAT_FORMATS:
+        return {"w": np.empty(Np * K * (4 if name == "F32" else 2), np.uint8)}
+    nb = K // quants.block_size(name)
+    fields = {"qs": np.empty(tiles * nc * _QS_BYTES.get(name, 256), np.uint8)}
+    if name in _HB_BYTES:
+        fields["hb"] = np.empty(tiles * nc * _HB_BYTES[name], np.uint8)
+    code = _CODE[name]
+    if _N_SC[code]:
+        fields["sc"] = np.empty(Np * nb * _N_SC[code], np.uint8)
+        if _HAS_MN[code]:
+            fields["mn"] = np.empty(Np * nb * _N_SC[code], np.uint8)
+    fields["d"] = np.empty(Np * nb * 2, np.uint8)
+    if _M_OFF[code] >= 0:
+        fields["dmin" if name in SUPERBLOCK_FORMATS else "m"] = np.empty(Np * nb * 2, np.uint8)
+    return fields
+
+
+def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> None:
+    """Pack a slab of whole tiles (rows.shape[0] % 16 == 0) into ``fields`` from tile t0."""
+    if name in FLOAT_FORMATS:
+        # a plain transpose runs at memory speed already; no kernel to compile
+        dt = np.uint32 if name == "F32" else np.uint16
+        n = slab.shape[0]
+        out = fields["w"].view(dt).reshape(-1, K, ROWS)   # [tile][k][row]
+        out[t0:t0 + n // ROWS] = slab.view(dt).reshape(n // ROWS, ROWS, K).transpose(0, 2, 1)
+        return
+    code = _CODE[name]
+    _repack_quants(code, slab, K, t0, fields["qs"].view(np.uint32),
+                   fields.get("hb", _EMPTY).view(np.uint32))
+    m = fields.get("m", fields.get("dmin", _EMPTY))
+    _repack_scales(code, slab, K, t0, fields["d"], m, fields.get("sc", _EMPTY),
+                   fields.get("mn", _EMPTY))
 
 
 _PACKED = {
@@ -222,13 +285,6 @@ _PACKED = {
 def packed_class(name: str):
     """The namedtuple class holding a packed weight of GGML type ``name``."""
     return _PACKED[name]
-
-
-def _pack_float(name: str, rows: np.ndarray, K: int) -> np.ndarray:
-    """Float rows -> [tile][k][row] elements (the element's own width), as bytes."""
-    dt = {"F32": np.uint32, "F16": np.uint16, "BF16": np.uint16}[name]
-    a = rows.view(dt).reshape(rows.shape[0], K)
-    return pack_row_values(a, K)
 
 
 def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
@@ -253,22 +309,15 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
     row_bytes = quants.row_nbytes(name, K)
     rows = np.asarray(raw, np.uint8).reshape(N, row_bytes)
     Np = -(-N // ROWS) * ROWS
-    fields: dict[str, np.ndarray] = {}
+    fields = _alloc(name, Np, K)
     for r0 in range(0, Np, _ROW_STEP):
         r1 = min(Np, r0 + _ROW_STEP)
         slab = rows[r0:min(r1, N)]
         if slab.shape[0] < r1 - r0:  # zero rows pad the last tile; their outputs are dropped
             slab = np.concatenate([slab, np.zeros((r1 - r0 - slab.shape[0], row_bytes), np.uint8)])
-        if name in FLOAT_FORMATS:
-            packed = {"w": _pack_float(name, slab, K)}
-        else:
-            packed = _pack_rows(name, slab, K)
-        # Slabs are whole tiles and the layouts are tile-major: each lands at its byte offset.
-        for key, arr in packed.items():
-            if key not in fields:
-                fields[key] = np.empty(arr.size * Np // (r1 - r0), np.uint8)
-            per_row = arr.size // (r1 - r0)
-            fields[key][r0 * per_row:r1 * per_row] = arr
+        slab = np.ascontiguousarray(slab).view()
+        slab.flags.writeable = False  # as a mapped file's: one compiled signature for both
+        _pack_slab(name, slab, K, r0 // ROWS, fields)
         if done is not None:
             done(r0 * row_bytes, min(r1, N) * row_bytes)
     if name in ("IQ4_NL", "IQ4_XS"):

@@ -170,22 +170,27 @@ def test_fused_block_matches_op_by_op_composition(models, name, smollm_path, gem
 
 def test_repacked_weight_store_round_trip(smollm_path, tmp_path):
     ids = [1, 504, 3458, 28, 4051, 42, 11]
-    a = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models")
+    a = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models", weight_cache=True)
     store = tmp_path / "packed"
     files = list(store.glob("*.llpack"))
     assert len(files) == 1  # written on the first load
     la = a.logits(ids)
-    b = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models")
+    b = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models",
+                       weight_cache=True)
     assert np.array_equal(la.view(np.uint32), b.logits(ids).view(np.uint32))
     # A damaged store is ignored (weights repacked) and rewritten, never trusted.
     files[0].write_bytes(files[0].read_bytes()[:1000])
-    c = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models")
+    c = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models",
+                       weight_cache=True)
     assert np.array_equal(la.view(np.uint32), c.logits(ids).view(np.uint32))
     files[0].write_bytes(b"garbage" * 10)
-    d = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models")
+    d = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "models",
+                       weight_cache=True)
     assert np.array_equal(la.view(np.uint32), d.logits(ids).view(np.uint32))
-    e = localllm.load(smollm_path, ctx_size=64, weight_cache=False)
+    # The store is opt-in: by default the weights are repacked and nothing is written.
+    e = localllm.load(smollm_path, ctx_size=64, models_dir=tmp_path / "other" / "models")
     assert np.array_equal(la.view(np.uint32), e.logits(ids).view(np.uint32))
+    assert not (tmp_path / "other" / "packed").exists()
 
 
 def test_model_too_big_for_memory_is_refused_before_loading(smollm_path):

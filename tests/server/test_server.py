@@ -602,7 +602,7 @@ def test_refuses_a_public_address_without_a_key(smollm_path, tmp_path):
 
 
 def test_loading_cors_and_shutdown(smollm_path):
-    # Repacking the weights (no weight cache) makes the load take seconds: the server is
+    # Loading (the cached kernels, repacking the weights) takes a moment: the server is
     # bound and answering meanwhile.
     s = ServerProcess(smollm_path, "-c", "512", "--no-weight-cache", "--strict-model",
                       "--cors-origin", "http://localhost:3000")
