@@ -8,7 +8,7 @@ from .errors import (BadSetting, ConstraintError, ContextFull, EmptyPrompt, Engi
 __version__ = "0.1.0"
 
 __all__ = ["load", "Model", "LoadSettings", "SamplingParams", "configure_process",
-           "ProcessConfig", "__version__",
+           "ProcessConfig", "ToolCall", "__version__",
            "BadSetting", "ConstraintError", "ContextFull", "EmptyPrompt", "EngineError",
            "FetchError", "GGUFError", "GrammarError", "KVPoolFull", "LocalLLMError",
            "ModelFileError", "NotEnoughMemory", "PromptTooLong", "SequenceError",
@@ -24,4 +24,7 @@ def __getattr__(name):
     if name == "SamplingParams":
         from .generation.sampling import SamplingParams
         return SamplingParams
+    if name == "ToolCall":
+        from .text.tool_calls import ToolCall
+        return ToolCall
     raise AttributeError(f"module 'localllm' has no attribute {name!r}")

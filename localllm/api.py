@@ -364,23 +364,50 @@ class Model(EmbeddingMixin):
 
     def chat(self, messages: list[dict], seq: Sequence | None = None,
              context_shift: bool = False, constraint=None, speculate: bool = True,
+             tools: list[dict] | None = None, tool_choice=None, parallel_tool_calls: bool = True,
              **sampling) -> Generation:
         """Stream the assistant's reply to a conversation, using the chat template.
 
         Args:
-            messages: [{"role", "content"}, ...].
+            messages: [{"role", "content"}, ...] (with tools: OpenAI's assistant
+                ``tool_calls`` and ``tool`` messages too).
             seq: as for generate.
             context_shift: when the conversation does not fit, or fills up while replying,
                 drop its oldest turns (after any system message) instead of failing or
-                stopping; ``stats.dropped_messages`` counts them.
+                stopping; ``stats.dropped_messages`` counts them (not with tools).
             constraint, speculate: as for generate.
+            tools: function tools in OpenAI's shape ({"type": "function", "function":
+                {"name", "description", "parameters"}}); the reply then yields ToolCall
+                objects after its text.
+            tool_choice: "auto" (default), "none", "required" or {"type": "function",
+                "function": {"name": ...}}; the last two constrain the reply to calls.
+            parallel_tool_calls: whether a forced reply may hold several calls.
             **sampling: SamplingParams fields.
+        Raises:
+            ToolCallError: tools or a tool_choice that cannot be used.
         """
         params = self._params(sampling)
+        if tools:
+            return self._tool_chat(messages, params, seq, constraint, speculate, tools,
+                                   tool_choice, parallel_tool_calls, context_shift)
         if not context_shift:
             return self._generate(self.chat_tokens(messages), params, seq,
                                   constraint=constraint, speculate=speculate)
         return self._shifting_chat(list(messages), params, seq, constraint, speculate)
+
+    def _tool_chat(self, messages, params, seq, constraint, speculate, tools, tool_choice,
+                   parallel, context_shift) -> Generation:
+        """chat() with tools: the prompt and constraint of their plan, the calls split off."""
+        from localllm.generation.constrain import TokenConstraint
+        from localllm.generation.tool_use import plan, stream_calls
+        if context_shift:
+            raise BadSetting("context_shift cannot be combined with tools")
+        p = plan(self.template.source, list(messages), {}, tools, tool_choice, parallel)
+        if p.schema is not None and constraint is None:
+            constraint = TokenConstraint.json_schema(p.schema, self.token_vocab)
+        gen = self._generate(self.chat_tokens(p.messages, **p.template_kwargs), params, seq,
+                             constraint=constraint, speculate=speculate)
+        return gen if p.fmt is None else Generation(stream_calls(gen, p), gen.stats)
 
     @cached_property
     def token_vocab(self):

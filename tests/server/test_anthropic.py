@@ -124,11 +124,10 @@ def test_thinking_disabled_reaches_the_template(client):
 def test_errors_in_anthropics_shape(server, client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="smollm2-135m", max_tokens=8, messages=conversation(),
-                               tools=[{"name": "get_weather", "description": "weather",
-                                       "input_schema": {"type": "object"}}])
+                               tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"})
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "not yet available" in e.value.body["error"]["message"]
+    assert "nope" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model="smollm2-135m", max_tokens=8, messages=conversation())
@@ -151,6 +150,95 @@ def test_errors_in_anthropics_shape(server, client):
         r = c.post("/v1/messages", content=b"{not json", headers={"content-type":
                                                                   "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ----------------------------------------------------------------------------- tools
+
+WEATHER = {"name": "get_weather", "description": "The current weather of a city.",
+           "input_schema": {"type": "object",
+                            "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "unit": {"enum": ["c", "f"]}},
+                            "required": ["city", "unit"], "additionalProperties": False}}
+TIME = {"name": "get_time", "description": "The time now in a time zone.",
+        "input_schema": {"type": "object",
+                         "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                 "maximum": 14}},
+                         "required": ["zone"], "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINK = {"type": "disabled"}
+
+
+def weather_ok(block) -> bool:
+    args = block.input
+    return (block.name == "get_weather" and set(args) == {"city", "unit"}
+            and isinstance(args["city"], str) and len(args["city"]) <= 12
+            and args["unit"] in ("c", "f"))
+
+
+def test_weather_check_can_fail():
+    class B:
+        name, input = "get_weather", {"city": "Paris"}
+    assert not weather_ok(B())
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use_whole(client, choice):
+    r = client.messages.create(model="smollm2-135m", max_tokens=80, messages=ASK,
+                               tools=[WEATHER, TIME], tool_choice=choice, thinking=NO_THINK)
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and uses
+    for b in uses:
+        assert b.id.startswith("toolu_") and isinstance(b.input, dict)
+        if choice["type"] == "tool":
+            assert weather_ok(b)
+        else:
+            assert b.name in ("get_weather", "get_time")
+
+
+def test_forced_tool_use_streamed(client, server):
+    with client.messages.stream(model="smollm2-135m", max_tokens=80, messages=ASK,
+                                tools=[WEATHER, TIME], thinking=NO_THINK,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use"
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert len(uses) == 1 and weather_ok(uses[0])
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert starts[-1].content_block.type == "tool_use"
+    assert starts[-1].content_block.input == {}
+    assert starts[-1].content_block.name == "get_weather"
+    # the raw stream: the arguments come as input_json_delta partial_json
+    body = {"model": "smollm2-135m", "max_tokens": 80, "messages": ASK, "stream": True,
+            "tools": [WEATHER], "tool_choice": {"type": "any"}, "thinking": NO_THINK}
+    h = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    with httpx.Client(base_url=server.url, headers=h, timeout=120) as c:
+        with c.stream("POST", "/v1/messages", json=body) as r:
+            datas = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    parts: dict[int, str] = {}
+    for d in datas:
+        if d["type"] == "content_block_delta" and d["delta"]["type"] == "input_json_delta":
+            parts[d["index"]] = parts.get(d["index"], "") + d["delta"]["partial_json"]
+    started = {d["index"] for d in datas if d["type"] == "content_block_start"
+               and d["content_block"]["type"] == "tool_use"}
+    assert parts and set(parts) == started
+    assert all(isinstance(json.loads(p), dict) for p in parts.values())
+    assert datas[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_tool_result_round_trip(client):
+    first = client.messages.create(model="smollm2-135m", max_tokens=80, messages=ASK,
+                                   tools=[WEATHER], thinking=NO_THINK,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    use = next(b for b in first.content if b.type == "tool_use")
+    history = ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "18 C and sunny"}]}]
+    r = client.messages.create(model="smollm2-135m", max_tokens=30, messages=history,
+                               tools=[WEATHER], tool_choice={"type": "none"},
+                               thinking=NO_THINK)
+    assert r.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text
 
 
 # ----------------------------------------------------------------------------- translation

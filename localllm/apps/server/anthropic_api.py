@@ -1,6 +1,6 @@
 """POST /v1/messages, Anthropic's Messages API: its request translated into the OpenAI-shaped
 conversation the chat endpoint renders, its answer as content blocks (thinking from the
-reasoning split, then text), streamed as Anthropic's events, errors in Anthropic's shape."""
+reasoning split, text, tool_use), streamed as Anthropic's events, errors in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from .common import ServerState, event_stream, new_id, respond, sse
 from .errors import APIError, anthropic_error_body, api_error
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import MAX_STOP, SamplingFields, template_message
+from .tool_use import StreamSplitter, ToolPlan, arguments_json, plan
 
 router = APIRouter()
 
-TOOLS_NOT_YET = "tools are not yet available on this server (tool_use and tool_result too)"
 error_body = anthropic_error_body
 
 
@@ -171,25 +171,32 @@ def to_openai(req: MessagesRequest) -> dict:
 
 
 def _template_messages(chat: dict) -> list[dict]:
-    """The translated conversation as chat templates take it, while tools are unavailable.
+    """The translated conversation as chat templates take it (calls and results kept)."""
+    out = []
+    for m in chat["messages"]:
+        t = template_message(m["role"], m["content"], m.get("reasoning_content"))
+        if m.get("tool_calls"):
+            t["tool_calls"] = m["tool_calls"]
+        if m.get("tool_call_id") is not None:
+            t["tool_call_id"] = m["tool_call_id"]
+        out.append(t)
+    return out
 
-    Raises:
-        APIError: 400 for tools, tool_use or tool_result.
-    """
-    if chat["tools"] or any(m["role"] == "tool" or m.get("tool_calls") for m in chat["messages"]):
-        raise APIError(400, TOOLS_NOT_YET, "invalid_value", "tools")
-    return [template_message(m["role"], m["content"], m.get("reasoning_content"))
-            for m in chat["messages"]]
+
+def _tool_use_block(call) -> dict:
+    """A call as a tool_use content block (its id in Anthropic's toolu_ form)."""
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+            "name": call.name, "input": arguments_json(call)}
 
 
 # ----------------------------------------------------------------------------- the answer
 
-def _stop_reason(ev: Finished | None) -> tuple[str, str | None]:
+def _stop_reason(ev: Finished | None, called: bool = False) -> tuple[str, str | None]:
     if ev is None or ev.finish_reason == "length":
         return "max_tokens", None
     if ev.stop_sequence is not None:
         return "stop_sequence", ev.stop_sequence
-    return "end_turn", None
+    return ("tool_use" if called else "end_turn"), None
 
 
 def _usage(events: list[Event]) -> dict:
@@ -201,15 +208,17 @@ def _usage(events: list[Event]) -> dict:
             "cache_creation_input_tokens": 0}
 
 
-def _whole(events: list[Event], head: dict) -> JSONResponse:
+def _whole(events: list[Event], head: dict, tools: ToolPlan) -> JSONResponse:
     reasoning = "".join(e.reasoning for e in events if isinstance(e, Piece))
-    text = "".join(e.text for e in events if isinstance(e, Piece))
+    text, calls = tools.split("".join(e.text for e in events if isinstance(e, Piece)))
     content = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text or not reasoning:
+    if text or not (reasoning or calls):
         content.append({"type": "text", "text": text})
-    reason, seq = _stop_reason(next((e for e in events if isinstance(e, Finished)), None))
+    content += [_tool_use_block(c) for c in calls]
+    reason, seq = _stop_reason(next((e for e in events if isinstance(e, Finished)), None),
+                               bool(calls))
     return JSONResponse({**head, "content": content, "stop_reason": reason,
                          "stop_sequence": seq, "usage": _usage(events)})
 
@@ -239,6 +248,22 @@ class _Blocks:
                        "content_block_delta"))
         return out
 
+    def tool_use(self, call) -> list[str]:
+        """A whole call as its own block: started with an empty input, its arguments as one
+        input_json_delta, then stopped."""
+        out = self.close()
+        self.index += 1
+        block = {**_tool_use_block(call), "input": {}}
+        out.append(sse({"type": "content_block_start", "index": self.index,
+                        "content_block": block}, "content_block_start"))
+        out += self.ping()
+        out.append(sse({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+                       "content_block_delta"))
+        out.append(sse({"type": "content_block_stop", "index": self.index},
+                       "content_block_stop"))
+        return out
+
     def ping(self) -> list[str]:
         if self.pinged:
             return []
@@ -259,8 +284,9 @@ class _Blocks:
         return out
 
 
-def _stream(first: Event, job, head: dict):
+def _stream(first: Event, job, head: dict, tools: ToolPlan):
     blocks = _Blocks()
+    split = StreamSplitter(tools)
 
     def render(ev: Event) -> list[str]:
         if isinstance(ev, Started):
@@ -271,10 +297,15 @@ def _stream(first: Event, job, head: dict):
                         "message_start")]
         if isinstance(ev, Piece):
             out = blocks.text("thinking", ev.reasoning) if ev.reasoning else []
-            return out + (blocks.text("text", ev.text) if ev.text else [])
+            text = split.feed(ev.text) if ev.text else ""
+            return out + (blocks.text("text", text) if text else [])
         if isinstance(ev, Finished):
-            out = blocks.close() + blocks.ping()
-            reason, seq = _stop_reason(ev)
+            rest, calls = split.finish()
+            out = blocks.text("text", rest) if rest else []
+            for c in calls:
+                out += blocks.tool_use(c)
+            out += blocks.close() + blocks.ping()
+            reason, seq = _stop_reason(ev, bool(calls))
             return out + [sse({"type": "message_delta",
                                "delta": {"stop_reason": reason, "stop_sequence": seq},
                                "usage": {"output_tokens": ev.usage.completion_tokens}},
@@ -323,14 +354,19 @@ async def _messages(request: Request):
     except ValidationError as e:
         raise APIError(400, _validation_message(e)) from None
     st.check_model(body.model)
-    messages = _template_messages(to_openai(body))
+    chat = to_openai(body)
     kwargs = {}
     if body.thinking is not None:
         kwargs["enable_thinking"] = body.thinking.type != "disabled"
+    source = await st.scheduler.call(lambda m: m.template.source)
+    parallel = not (body.tool_choice or {}).get("disable_parallel_tool_use", False)
+    tools = plan(source, _template_messages(chat), kwargs, chat["tools"], chat["tool_choice"],
+                 parallel)
     sampling = st.sampling(body, body.max_tokens, body.stop_sequences or None)
-    spec = GenerationSpec([Prompt(messages=messages, template_kwargs=kwargs)], sampling,
+    spec = GenerationSpec([Prompt(messages=tools.messages, template_kwargs=tools.template_kwargs)],
+                          sampling, output=tools.output,
                           split_reasoning=st.settings.reasoning_format != "none")
     job = st.scheduler.submit(spec)
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.model}
-    stream = (lambda first: _stream(first, job, head)) if body.stream else None
-    return await respond(job, request, stream, lambda events: _whole(events, head))
+    stream = (lambda first: _stream(first, job, head, tools)) if body.stream else None
+    return await respond(job, request, stream, lambda events: _whole(events, head, tools))

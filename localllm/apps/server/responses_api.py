@@ -1,6 +1,6 @@
 """POST /v1/responses, the Responses API: text or message input, streamed events, and
 ``previous_response_id``, whose conversation is kept so that the next turn's prompt starts
-with it and is answered from the prefix cache."""
+with it and is answered from the prefix cache; function tools give function_call items."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .common import (ServerState, StoredResponse, event_stream, logprob_items, n
 from .errors import APIError
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started, Usage
 from .schemas import ResponsesRequest
+from .tool_use import StreamSplitter, ToolPlan, plan
 
 router = APIRouter()
 
@@ -30,6 +31,11 @@ class _Turn:
     def __init__(self, st: ServerState, body: ResponsesRequest, sampling: dict,
                  history: list[dict]):
         self.st = st
+        self.tools: ToolPlan | None = None
+        self.splitter: StreamSplitter | None = None
+        self.content = ""     # the answer's text, its calls apart (once finished)
+        self.calls: list = []
+        self.call_ids: list[str] = []
         self.body = body
         self.sampling = sampling
         self.id = new_id("resp_")
@@ -60,11 +66,15 @@ class _Turn:
         elif isinstance(ev, Finished):
             self.finish = ev.finish_reason
             self.usage = ev.usage
+            text = "".join(self.text)
+            self.content, self.calls = self.tools.split(text) if self.tools else (text, [])
+            self.call_ids = [new_id("fc_") for _ in self.calls]
 
     # ---- the objects of the API -----------------------------------------------------
 
     def part(self) -> dict:
-        return {"type": "output_text", "text": "".join(self.text), "annotations": [],
+        text = self.content if self.finish is not None else "".join(self.text)
+        return {"type": "output_text", "text": text, "annotations": [],
                 "logprobs": logprob_items(self.lps) if self.logprobs else []}
 
     def item(self, status: str) -> dict:
@@ -79,9 +89,21 @@ class _Turn:
         return {"type": "reasoning", "id": self.rs_id, "status": status, "summary": [],
                 "content": content}
 
+    def call_item(self, i: int, status: str) -> dict:
+        """Call i as a function_call output item (no arguments yet while in progress)."""
+        c = self.calls[i]
+        return {"type": "function_call", "id": self.call_ids[i], "call_id": c.id,
+                "name": c.name, "arguments": c.arguments if status != "in_progress" else "",
+                "status": status}
+
+    def has_message(self) -> bool:
+        """Whether the output has a message item (not for calls alone)."""
+        return bool(self.content) or not self.calls or "message" in self.shown
+
     def outputs(self, status: str) -> list[dict]:
         items = [self.reasoning_item(status)] if "".join(self.reasoning) else []
-        return items + [self.item(status)]
+        items += [self.item(status)] if self.has_message() else []
+        return items + [self.call_item(i, status) for i in range(len(self.calls))]
 
     def status(self) -> str:
         if self.finish is None:
@@ -102,11 +124,14 @@ class _Turn:
             "model": self.st.served_name(b.model),
             "output": self.outputs("completed" if status == "completed" else "incomplete")
             if status != "in_progress" else [],
-            "parallel_tool_calls": False, "previous_response_id": b.previous_response_id,
+            "parallel_tool_calls": bool(b.tools) and b.parallel_tool_calls is not False,
+            "previous_response_id": b.previous_response_id,
             "reasoning": {"effort": self.effort, "summary": None}, "store": b.store,
             "temperature": s.get("temperature"), "top_p": s.get("top_p"),
             "text": {"format": _format_echo(b)},
-            "tool_choice": "none", "tools": [], "truncation": "disabled",
+            "tool_choice": b.tool_choice or ("auto" if b.tools else "none"),
+            "tools": [{"strict": None, "description": None, "parameters": None, **t}
+                      for t in b.tools or ()], "truncation": "disabled",
             "metadata": b.metadata or {}, "user": None,
             "usage": {"input_tokens": u.prompt_tokens,
                       "input_tokens_details": {"cached_tokens": u.cached_tokens},
@@ -123,7 +148,9 @@ class _Turn:
 
     def store(self) -> None:
         if self.body.store and self.finish is not None:
-            reply = {"role": "assistant", "content": "".join(self.text)}
+            reply = {"role": "assistant", "content": self.content}
+            if self.calls:
+                reply["tool_calls"] = [c.as_openai() for c in self.calls]
             self.st.responses.put(self.id, StoredResponse(self.response(), self.input + [reply]))
 
 
@@ -144,11 +171,16 @@ async def create_response(body: ResponsesRequest, request: Request):
         history = prev.messages
     turn = _Turn(st, body, st.sampling(body, body.max_output_tokens, None), history)
     kwargs = {"reasoning_effort": turn.effort} if turn.effort else {}
-    spec = GenerationSpec([Prompt(messages=turn.messages(), param="input",
-                                  template_kwargs=kwargs)], turn.sampling,
+    source = await st.scheduler.call(lambda m: m.template.source)
+    tools = plan(source, turn.messages(), kwargs, body.chat_tools(), body.chat_tool_choice(),
+                 body.parallel_tool_calls is not False)
+    if tools.fmt is not None:
+        turn.tools, turn.splitter = tools, StreamSplitter(tools)
+    spec = GenerationSpec([Prompt(messages=tools.messages, param="input",
+                                  template_kwargs=tools.template_kwargs)], turn.sampling,
                           logprobs=turn.logprobs,
                           top_logprobs=(body.top_logprobs or 0) if turn.logprobs else 0,
-                          output=output, split_reasoning=st.settings.reasoning_format != "none")
+                          output=tools.output or output, split_reasoning=st.settings.reasoning_format != "none")
     job = st.scheduler.submit(spec)
 
     def whole(events: list[Event]) -> JSONResponse:
@@ -185,28 +217,51 @@ def _render(turn: _Turn, ev: Event) -> list[str]:
                 out += _begin(turn, "reasoning")
             out.append(turn.event("response.reasoning_text.delta", **_where(turn, "reasoning"),
                                   delta=ev.reasoning))
-        if ev.text or ev.logprobs:
+        text = turn.splitter.feed(ev.text) if turn.splitter else ev.text
+        if text or (ev.logprobs and not turn.splitter):
             out += _begin_message(turn)
             out.append(turn.event("response.output_text.delta", **_where(turn, "message"),
-                                  delta=ev.text,
+                                  delta=text,
                                   logprobs=logprob_items(ev.logprobs) if turn.logprobs else []))
         return out
     if isinstance(ev, Finished):
+        rest = turn.splitter.finish()[0] if turn.splitter else ""
         turn.store()
-        out = _begin_message(turn)   # a reply of thinking alone still has its message
-        part = turn.part()
+        out = []
+        if rest:
+            out += _begin_message(turn)
+            out.append(turn.event("response.output_text.delta", **_where(turn, "message"),
+                                  delta=rest, logprobs=[]))
         final = "response.completed" if turn.status() == "completed" else "response.incomplete"
-        where = _where(turn, "message")
-        return out + [turn.event("response.output_text.done", **where, text=part["text"],
-                                 logprobs=part["logprobs"]),
-                      turn.event("response.content_part.done", **where, part=part),
-                      turn.event("response.output_item.done", output_index=where["output_index"],
-                                 item=turn.item(turn.status())),
-                      turn.event(final, response=turn.response())]
+        if turn.has_message():
+            out += _begin_message(turn)   # a reply of thinking alone still has its message
+            part = turn.part()
+            where = _where(turn, "message")
+            out += [turn.event("response.output_text.done", **where, text=part["text"],
+                               logprobs=part["logprobs"]),
+                    turn.event("response.content_part.done", **where, part=part),
+                    turn.event("response.output_item.done", output_index=where["output_index"],
+                               item=turn.item(turn.status()))]
+        for i in range(len(turn.calls)):
+            out += _call_events(turn, i)
+        return out + [turn.event(final, response=turn.response())]
     if isinstance(ev, Failed):  # after the stream began: an error event ends it
         e = ev.error.body()["error"]
         return [turn.event("error", code=e["code"], message=e["message"], param=e["param"])]
     return []
+
+
+def _call_events(turn: _Turn, i: int) -> list[str]:
+    """A function_call item's events: added, its arguments (one delta), done."""
+    turn.shown.append(f"call{i}")
+    at = {"item_id": turn.call_ids[i], "output_index": turn.shown.index(f"call{i}")}
+    args = turn.calls[i].arguments
+    return [turn.event("response.output_item.added", output_index=at["output_index"],
+                       item=turn.call_item(i, "in_progress")),
+            turn.event("response.function_call_arguments.delta", **at, delta=args),
+            turn.event("response.function_call_arguments.done", **at, arguments=args),
+            turn.event("response.output_item.done", output_index=at["output_index"],
+                       item=turn.call_item(i, "completed"))]
 
 
 def _where(turn: _Turn, kind: str) -> dict:

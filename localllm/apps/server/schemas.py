@@ -40,12 +40,6 @@ def _refuse(value, info):
     return value
 
 
-def _no_tool_choice(value):
-    if value not in (None, "none", "auto"):
-        raise ValueError("tool_choice needs tools, which are not supported by this server")
-    return value
-
-
 def _tool_choice_value(value):
     """none, auto, required, or {"type": "function", "function": {"name": ...}}."""
     if value is None or value in ("none", "auto", "required"):
@@ -319,8 +313,7 @@ class CompletionRequest(ChatFields):
 # ----------------------------------------------------------------------------- responses
 
 class InputMessage(_Body):
-    """An input item of the Responses API: a message (the only item type a text model
-    without tools can take)."""
+    """An input item of the Responses API: a message."""
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: Content
@@ -356,9 +349,49 @@ class ReasoningConfig(_Body):
     summary: str | None = None
 
 
+class FunctionCallItem(_Body):
+    """An input item: an earlier answer's function call (as the output gave it)."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    """An input item: a function call's result."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _function_tools(value):
+    """The Responses API's function tools ({"type": "function", "name": ...})."""
+    for t in value or ():
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else t
+            raise ValueError(f"tools of type {kind!r} are not supported: only function tools")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise ValueError("a function tool needs a name")
+    return value
+
+
+def _responses_tool_choice(value):
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" \
+            and isinstance(value.get("name"), str):
+        return value
+    raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                     '{"type": "function", "name": ...}')
+
+
 class ResponsesRequest(SamplingFields):
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -377,8 +410,9 @@ class ResponsesRequest(SamplingFields):
     conversation: Any = None
     prompt: Any = None
 
-    _unsupported = field_validator("tools", "background", "conversation", "prompt")(_refuse)
-    _tool_choice = field_validator("tool_choice")(_no_tool_choice)
+    _unsupported = field_validator("background", "conversation", "prompt")(_refuse)
+    _tools = field_validator("tools")(_function_tools)
+    _tool_choice = field_validator("tool_choice")(_responses_tool_choice)
 
     @field_validator("input")
     @classmethod
@@ -388,9 +422,40 @@ class ResponsesRequest(SamplingFields):
         return v
 
     def input_messages(self) -> list[dict]:
+        """The input as template messages: function calls as an assistant message's
+        tool_calls (consecutive calls in one message), their outputs as tool messages."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [m.as_template_message() for m in self.input]
+        out: list[dict] = []
+        for m in self.input:
+            if isinstance(m, FunctionCallItem):
+                call = {"id": m.call_id, "type": "function",
+                        "function": {"name": m.name, "arguments": m.arguments}}
+                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)
+                elif out and out[-1]["role"] == "assistant":
+                    out[-1]["tool_calls"] = [call]
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif isinstance(m, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": m.call_id, "content": m.output})
+            else:
+                out.append(m.as_template_message())
+        return out
+
+    def chat_tools(self) -> list[dict] | None:
+        """The function tools in the chat API's shape."""
+        return [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description"),
+            "parameters": t.get("parameters") or {"type": "object"}}}
+            for t in self.tools] if self.tools else None
+
+    def chat_tool_choice(self):
+        """tool_choice in the chat API's shape."""
+        c = self.tool_choice
+        if isinstance(c, dict):
+            return {"type": "function", "function": {"name": c["name"]}}
+        return c
 
 
 # ----------------------------------------------------------------------------- tokens

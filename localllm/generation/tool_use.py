@@ -1,0 +1,175 @@
+"""Function calling for chat: how tools reach the prompt (the template's own tool support, or
+the generic JSON format described in a system message), the JSON schema the answer is held to
+for tool_choice required / named, and the split of the output into calls."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from localllm.text.tool_calls import (GENERIC, ToolCall, ToolCallError, ToolFormat,
+                                      canonical_text, detect_format, functions,
+                                      generic_schema, generic_system_prompt, template_messages)
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request uses its tools.
+
+    fmt: the format the output is parsed with (None: no tools, plain text).
+    messages / template_kwargs: what the template renders.
+    schema: the JSON schema the answer is constrained to, or None.
+    """
+    fmt: ToolFormat | None
+    messages: list[dict]
+    template_kwargs: dict = field(default_factory=dict)
+    schema: dict | None = None
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a choice's whole output."""
+        if self.fmt is None:
+            return text, []
+        return self.fmt.parse(text)
+
+    @property
+    def buffers(self) -> bool:
+        """Whether streamed text must be held back whole (the generic format is one JSON)."""
+        return self.fmt is GENERIC
+
+
+def _generic_history(messages: list[dict]) -> list[dict]:
+    """History for a template without tools: calls as the JSON the model answers with,
+    results as user messages."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [ToolCall(c["function"]["name"], c["function"].get("arguments") or "{}")
+                     for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": canonical_text(GENERIC, calls)})
+        elif m["role"] == "tool":
+            who = m.get("name") or m.get("tool_call_id") or "the tool"
+            out.append({"role": "user", "content": f"Result of {who}: {m['content']}"})
+        else:
+            out.append(m)
+    return out
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def plan(template_source: str, messages: list[dict], template_kwargs: dict, tools, tool_choice,
+         parallel: bool) -> ToolPlan:
+    """The plan of a chat request.
+
+    Args:
+        template_source: the model's chat template source.
+        messages: the conversation as template messages (with tool_calls / tool messages).
+        template_kwargs: the request's further template variables.
+        tools, tool_choice, parallel: the request's fields.
+    Returns:
+        the ToolPlan.
+    Raises:
+        ToolCallError: tools or a tool_choice that cannot be used.
+    """
+    funcs = functions(tools)
+    mode = tool_choice if isinstance(tool_choice, str) else ("auto" if tool_choice is None
+                                                            else "required")
+    name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    if name is not None and name not in {f["name"] for f in funcs}:
+        raise ToolCallError(f"tool_choice names the function {name!r}, which is not "
+                            "among the tools")
+    native = detect_format(template_source)
+    if native is GENERIC:
+        history = _generic_history(messages)
+    else:
+        history = template_messages(messages, native)
+    if not funcs or mode == "none":
+        kw = dict(template_kwargs, tools=tools) if funcs and native is not GENERIC \
+            else template_kwargs
+        return ToolPlan(None, history, kw)
+    if native is not GENERIC and mode == "auto":
+        return ToolPlan(native, history, dict(template_kwargs, tools=tools))
+    # The generic JSON answer: for templates without tools, and (constrained, so the call
+    # always parses and fits the schemas) for required / a named function.
+    parallel = parallel and name is None   # a named function: that one call
+    schema = generic_schema(tools, mode, name, parallel)
+    if native is GENERIC:
+        history = _with_system(history, generic_system_prompt(
+            [t for t in tools if name is None or t["function"]["name"] == name],
+            mode, parallel))
+        kw = template_kwargs
+    else:
+        kw = dict(template_kwargs, tools=tools)
+    return ToolPlan(GENERIC, history, kw, schema)
+
+
+class StreamSplitter:
+    """Streams a choice's content while holding back what may start a tool call; the calls
+    come out when the choice ends."""
+
+    def __init__(self, plan_: ToolPlan):
+        self.plan = plan_
+        self.text = ""
+        self.sent = 0
+        self.held = plan_.buffers
+
+    def feed(self, piece: str) -> str:
+        """The content that can be shown now."""
+        self.text += piece
+        if self.held or self.plan.fmt is None:
+            if self.plan.fmt is None:
+                out, self.sent = self.text[self.sent:], len(self.text)
+                return out
+            return ""
+        trig = self.plan.fmt.trigger
+        at = self.text.find(trig, self.sent)
+        if at >= 0:
+            self.held = True
+            out, self.sent = self.text[self.sent:at], at
+            return out
+        keep = 0   # a tail that may be the trigger's start
+        for k in range(min(len(trig) - 1, len(self.text) - self.sent), 0, -1):
+            if self.text.endswith(trig[:k]):
+                keep = k
+                break
+        end = len(self.text) - keep
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet shown, calls) at the choice's end."""
+        content, calls = self.plan.split(self.text)
+        if calls:
+            shown = self.text[:self.sent]
+            rest = content[len(shown.strip()):] if content.startswith(shown.strip()) else ""
+            return rest.strip() if not shown else rest, calls
+        return self.text[self.sent:] if not self.plan.buffers else content, calls
+
+
+def stream_calls(chunks, plan_: ToolPlan):
+    """A generation's pieces with its tool calls split off: the text that is no call as it
+    comes, then each ToolCall once the generation ends.
+
+    Args:
+        chunks: an iterable of text pieces (a Generation; closed when this ends).
+        plan_: the ToolPlan the prompt was made with.
+    Returns:
+        an iterator of str pieces and ToolCall objects.
+    """
+    split = StreamSplitter(plan_)
+    try:
+        for c in chunks:
+            shown = split.feed(str(c))
+            if shown:
+                yield c if shown == str(c) else shown
+        rest, calls = split.finish()
+        if rest:
+            yield rest
+        yield from calls
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,64 @@
+"""Model.chat with tools on SmolLM2: a forced call comes out as a ToolCall that matches the
+tool's schema, a named tool only that one, and a call's result answered in text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import localllm
+from localllm.text.tool_calls import ToolCallError
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "integer"}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def weather_ok(call) -> bool:
+    args = json.loads(call.arguments)
+    return (call.name == "get_weather" and set(args) == {"city", "unit"}
+            and isinstance(args["city"], str) and len(args["city"]) <= 12
+            and args["unit"] in ("c", "f"))
+
+
+def test_check_can_fail():
+    assert not weather_ok(localllm.ToolCall("get_weather", '{"city": "Paris"}'))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_named_tool_gives_one_valid_call(smollm_model, seed):
+    out = list(smollm_model.chat(ASK, tools=[WEATHER, TIME], tool_choice=NAMED,
+                                 temperature=0.8, seed=seed, max_tokens=120))
+    calls = [x for x in out if isinstance(x, localllm.ToolCall)]
+    assert len(calls) == 1 and weather_ok(calls[0])
+    assert not "".join(x for x in out if isinstance(x, str)).strip()
+
+
+def test_required_and_the_answer_after_the_result(smollm_model):
+    calls = [x for x in smollm_model.chat(ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                          temperature=0, max_tokens=160)
+             if isinstance(x, localllm.ToolCall)]
+    assert calls and all(c.name in ("get_weather", "get_time") for c in calls)
+    assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
+    history = ASK + [{"role": "assistant", "content": "",
+                      "tool_calls": [c.as_openai() for c in calls]}]
+    history += [{"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in calls]
+    out = list(smollm_model.chat(history, tools=[WEATHER], tool_choice="none",
+                                 temperature=0, max_tokens=20))
+    assert out and all(isinstance(x, str) for x in out) and "".join(out).strip()
+
+
+def test_bad_tool_choice(smollm_model):
+    with pytest.raises(ToolCallError):
+        smollm_model.chat(ASK, tools=[WEATHER], tool_choice={
+            "type": "function", "function": {"name": "nope"}})
