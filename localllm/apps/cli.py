@@ -390,7 +390,7 @@ def cmd_run(args) -> int:
     out = sys.stdout
     shown = ReasoningOut(sys.stderr, args.hide_reasoning)
     splitter = None
-    if chat:   # reasoning (<think>, harmony analysis) goes to stderr, the answer to stdout
+    if chat and not fim:  # reasoning (<think>, harmony analysis) to stderr, the answer to stdout
         splitter = ReasoningSplitter(style_of_template(model.template.source),
                                      model.render_chat(messages))
     dropped = 0
