@@ -3,6 +3,8 @@ Host allowlist, the API key check and the body limit (and CORS when asked for)."
 
 from __future__ import annotations
 
+import os
+
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -92,7 +94,7 @@ def _add_service_routes(app: FastAPI) -> None:
         s = st(request)
         ctx, template = await s.scheduler.call(
             lambda m: (m.ctx, m.template.source))
-        return JSONResponse({"model_alias": s.model_id, "model_path": s.settings.model or "",
+        return JSONResponse({"model_alias": s.model_id, "model_path": os.path.basename(s.settings.model or ""),
                              "n_ctx": ctx, "chat_template": template,
                              "modalities": {"vision": False, "audio": False},
                              "total_slots": s.scheduler.slots,
