@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from localllm.text.chat_template import ChatTemplate
 from localllm.text.tool_calls import (ToolCall, canonical_text, detect_format, supports_tools,
                                       template_messages)
 
-TEMPLATES = Path("/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates")
+# llama.cpp's models/templates folder (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp/...)
+TEMPLATES = Path(os.environ.get("LLAMA_CPP_TEMPLATES", "vendor/llama.cpp/models/templates"))
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
