@@ -346,14 +346,25 @@ def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> li
     return out
 
 
+def _arguments_value(arguments: str):
+    """A call's arguments as a JSON value: a client's history may hold any string there (empty
+    is no arguments; text that is not JSON is kept as the string it is)."""
+    if not arguments.strip():
+        return {}
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def canonical_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
     """The text a model of this format writes for these calls (round-trip tests, prompts)."""
     if fmt.name == "generic":
-        return json.dumps({"tool_calls": [{"name": c.name, "arguments": json.loads(c.arguments)}
-                                          for c in calls]})
+        return json.dumps({"tool_calls": [
+            {"name": c.name, "arguments": _arguments_value(c.arguments)} for c in calls]})
     if fmt.name == "mistral":
         return "".join(f"[TOOL_CALLS]{c.name}[ARGS]{c.arguments}" for c in calls)
-    bodies = [{"name": c.name, fmt.args_key: json.loads(c.arguments)} for c in calls]
+    bodies = [{"name": c.name, fmt.args_key: _arguments_value(c.arguments)} for c in calls]
     if fmt.as_list:
         return fmt.prefix + json.dumps(bodies)
     if fmt.name == "llama3":

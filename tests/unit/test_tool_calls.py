@@ -78,3 +78,18 @@ def test_plan_modes():
     assert forced.fmt is GENERIC and forced.output.schema["required"] == ["tool_calls"]
     assert forced.messages[0]["role"] == "system" and '"f"' in forced.messages[0]["content"]
     assert plan(hermes, msgs, {}, TOOLS, "none", True).fmt is None
+
+
+@pytest.mark.parametrize("arguments", ["", "not json {", '{"x": 1}'])
+def test_history_calls_with_any_arguments_string(arguments):
+    # A client's history may hold any string as a call's arguments: the generic format's
+    # rewrite of that history keeps it rather than failing the request.
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    p = plan("{{ messages }}", msgs, {}, TOOLS, "required", True)
+    said = json.loads(next(m["content"] for m in p.messages if m["role"] == "assistant"))
+    expect = {"": {}, "not json {": "not json {", '{"x": 1}': {"x": 1}}[arguments]
+    assert said == {"tool_calls": [{"name": "f", "arguments": expect}]}
