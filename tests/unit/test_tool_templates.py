@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from localllm.errors import TemplateError
+from localllm.formats.fetch import vocab_suite_dir
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tool_calls import (ToolCall, canonical_text, detect_format, supports_tools,
                                       template_messages)
 
-# llama.cpp's models/templates folder (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp/...)
-TEMPLATES = Path(os.environ.get("LLAMA_CPP_TEMPLATES", "vendor/llama.cpp/models/templates"))
+# llama.cpp's models/templates folder, extracted with the vocab suite
+# (`python scripts/fetch_models.py --vocab-suite`); LLAMA_CPP_TEMPLATES names another copy.
+TEMPLATES = Path(os.environ.get("LLAMA_CPP_TEMPLATES") or vocab_suite_dir() / "templates")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -43,7 +45,8 @@ def tool_templates() -> list[Path]:
     return sorted(p for p in TEMPLATES.glob("*.jinja") if supports_tools(p.read_text()))
 
 
-@pytest.mark.skipif(not TEMPLATES.is_dir(), reason="llama.cpp's templates are not here")
+@pytest.mark.skipif(not TEMPLATES.is_dir(),
+                    reason="no templates: `python scripts/fetch_models.py --vocab-suite`")
 def test_every_tool_template_renders_and_round_trips():
     passed, failed = collections.Counter(), []
     for path in tool_templates():
