@@ -10,25 +10,14 @@ import pytest
 import localllm
 from localllm.text.tool_calls import ToolCallError
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather of a city.",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 12},
-                                  "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time now in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "integer"}},
-                   "required": ["zone"], "additionalProperties": False}}}
+from support.tools import TIME, WEATHER, weather_args_ok
+
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def weather_ok(call) -> bool:
-    args = json.loads(call.arguments)
-    return (call.name == "get_weather" and set(args) == {"city", "unit"}
-            and isinstance(args["city"], str) and len(args["city"]) <= 12
-            and args["unit"] in ("c", "f"))
+    return weather_args_ok(call.name, json.loads(call.arguments))
 
 
 def test_check_can_fail():

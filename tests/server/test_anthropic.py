@@ -15,12 +15,11 @@ pytest.importorskip("fastapi")
 
 from localllm.apps.server.anthropic_api import MessagesRequest, to_openai  # noqa: E402
 from localllm.testing.server_process import ServerProcess  # noqa: E402
+from support.tools import (ANTHROPIC_TIME, ANTHROPIC_WEATHER, SHOTS,  # noqa: E402
+                           weather_args_ok)
 
 KEY = "sk-ant-test-0123456789"
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "templates" / "think-open.jinja"
-SHOTS = [("What is 2+2?", "Two plus two is four.", "4"),
-         ("What is 3+3?", "Three plus three is six.", "6"),
-         ("What is 1+1?", "One plus one is two.", "2")]
 
 
 def conversation(question: str = "What is 5+5?") -> list[dict]:
@@ -154,25 +153,13 @@ def test_errors_in_anthropics_shape(server, client):
 
 # ----------------------------------------------------------------------------- tools
 
-WEATHER = {"name": "get_weather", "description": "The current weather of a city.",
-           "input_schema": {"type": "object",
-                            "properties": {"city": {"type": "string", "maxLength": 12},
-                                           "unit": {"enum": ["c", "f"]}},
-                            "required": ["city", "unit"], "additionalProperties": False}}
-TIME = {"name": "get_time", "description": "The time now in a time zone.",
-        "input_schema": {"type": "object",
-                         "properties": {"zone": {"type": "integer", "minimum": -12,
-                                                 "maximum": 14}},
-                         "required": ["zone"], "additionalProperties": False}}
+WEATHER, TIME = ANTHROPIC_WEATHER, ANTHROPIC_TIME
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINK = {"type": "disabled"}
 
 
 def weather_ok(block) -> bool:
-    args = block.input
-    return (block.name == "get_weather" and set(args) == {"city", "unit"}
-            and isinstance(args["city"], str) and len(args["city"]) <= 12
-            and args["unit"] in ("c", "f"))
+    return weather_args_ok(block.name, block.input)
 
 
 def test_weather_check_can_fail():

@@ -10,38 +10,22 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from localllm.testing.server_process import ServerProcess  # noqa: E402
+from support.tools import ASK_WEATHER, weather_args_ok  # noqa: E402
+from support.tools import RESPONSES_WEATHER as WEATHER  # noqa: E402
 
-WEATHER = {"type": "function", "name": "get_weather",
-           "description": "The current weather of a city.",
-           "parameters": {"type": "object",
-                          "properties": {"city": {"type": "string", "maxLength": 12},
-                                         "unit": {"enum": ["c", "f"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}
 NAMED = {"type": "function", "name": "get_weather"}
 M = "smollm2-135m"
-ASK = "What is the weather in Paris?"
+ASK = ASK_WEATHER
 
 
 @pytest.fixture(scope="module")
-def server(smollm_path):
-    s = ServerProcess(smollm_path, "-c", "1024", "--parallel", "1")
-    s.wait_ready()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
-    yield c
-    c.close()
+def client(tool_client):
+    """The session's tool server (tests/server/conftest.py), shared with the other tool tests."""
+    return tool_client
 
 
 def weather_ok(arguments: str) -> bool:
-    args = json.loads(arguments)
-    return (set(args) == {"city", "unit"} and isinstance(args["city"], str)
-            and len(args["city"]) <= 12 and args["unit"] in ("c", "f"))
+    return weather_args_ok("get_weather", json.loads(arguments))
 
 
 def test_weather_check_can_fail():

@@ -12,11 +12,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from localllm.testing.server_process import ServerProcess  # noqa: E402
+from support.tools import SHOTS  # noqa: E402
 
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
-SHOTS = [("What is 2+2?", "Two plus two is four.", "4"),
-         ("What is 3+3?", "Three plus three is six.", "6"),
-         ("What is 1+1?", "One plus one is two.", "2")]
 
 
 def conversation(question: str = "What is 5+5?") -> list[dict]:

@@ -11,36 +11,17 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from localllm.testing.server_process import ServerProcess  # noqa: E402
+from support.tools import ASK_WEATHER, TIME, WEATHER  # noqa: E402
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather of a city.",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 12},
-                                  "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time now in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-                   "required": ["zone"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
 M = "smollm2-135m"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK = [{"role": "user", "content": ASK_WEATHER}]
 
 
 @pytest.fixture(scope="module")
-def server(smollm_path):
-    s = ServerProcess(smollm_path, "-c", "1024", "--parallel", "1")
-    s.wait_ready()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
-    yield c
-    c.close()
+def client(tool_client):
+    """The session's tool server (tests/server/conftest.py), shared with the other tool tests."""
+    return tool_client
 
 
 def valid_call(name: str, arguments: str) -> bool:
