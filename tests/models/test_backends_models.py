@@ -308,7 +308,7 @@ def test_serve_with_a_split(smollm_path, backend):
 
 
 def test_chat_takes_the_split_options():
-    from localllm.apps.cli import _model_settings, build_parser
+    from localllm.apps.cli_args import build_parser, model_settings
     args = build_parser().parse_args(["chat", "m", "--backend", "mlx", "-ngl", "all"])
-    assert (_model_settings(args)["backend"], _model_settings(args)["gpu_layers"]) == \
+    assert (model_settings(args)["backend"], model_settings(args)["gpu_layers"]) == \
         ("mlx", "all")
