@@ -333,10 +333,7 @@ def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> li
                 f = dict(c.get("function", c))
                 args = f.get("arguments")
                 if isinstance(args, str):
-                    try:
-                        f["arguments"] = json.loads(args) if args.strip() else {}
-                    except ValueError:
-                        pass
+                    f["arguments"] = _arguments_value(args)
                 if short and c.get("id") is not None:
                     c = {**c, "id": _short_id(str(c["id"]))}
                 fixed.append({**c, "function": f, "name": f.get("name"),
