@@ -25,6 +25,7 @@ import numpy as np
 from localllm.backends.base import Backend
 from localllm.errors import (BadSetting, EmptyPrompt, EngineError, LocalLLMError, PromptTooLong,
                              SequenceError, UnsupportedModel)
+from localllm.generation.constrain import prime
 from localllm.generation.model_embedding import EmbeddingMixin
 from localllm.formats import fetch
 from localllm.formats.gguf import GGUFFile
@@ -78,6 +79,9 @@ class LoadSettings:
     # Build missing compiled kernels in parallel worker processes, reporting (done, total)
     # here (None: compile in-process on first use).
     compile_progress: Callable[[int, int], None] | None = None
+    # Also compile the constrained-decoding kernels during the load (with the model's, in
+    # the workers when compile_progress is given), not at the first constrained request.
+    prime_grammar: bool = False
 
 
 def _check_speculation(s: LoadSettings) -> None:
@@ -210,7 +214,9 @@ class Model(EmbeddingMixin):
             # Kernels missing from the compile cache are built by parallel workers first;
             # until its fused block is built (at low priority, meanwhile) the model runs op
             # by op. Without progress, kernels compile in-process on first use.
-            if not warm.prepare(self.path, s.compile_progress, block_command=_BLOCK_WORKER):
+            calls = (prime.WARM_JOB,) if s.prime_grammar else ()
+            if not warm.prepare(self.path, s.compile_progress, block_command=_BLOCK_WORKER,
+                                calls=calls):
                 self.backend.fused_blocks = False
         for be in self.backends:
             be.begin_model(self.path)  # may read stored weights while the rest builds
@@ -227,6 +233,8 @@ class Model(EmbeddingMixin):
         self.kv, self._runner = self._new_cache(s.ctk, s.ctv)
         self.last_stats = GenerationStats()
         self.draft = self._load_draft(s) if s.draft else None
+        if s.prime_grammar:
+            prime.prime_kernels()  # loaded from the cache the workers filled, or compiled
         self.load_seconds = time.perf_counter() - t0
 
     def _load_draft(self, s: LoadSettings) -> "Model":

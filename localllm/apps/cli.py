@@ -21,7 +21,7 @@ from localllm.apps.cli_embed import cmd_embed
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
                              ModelFileError, NotEnoughMemory, TokenOutOfVocab)
 from localllm.text.reasoning import Part, ReasoningSplitter, style_of_template
-from .run_output import ReasoningOut, write_parts
+from .run_output import CompileLine, ReasoningOut, write_parts
 
 EXIT_ERROR = 1       # anything else that went wrong (a file that cannot be read, ...)
 EXIT_MODEL = 3       # a model file that cannot be read or run
@@ -57,27 +57,6 @@ def peak_rss_mb() -> float:
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
-
-
-class _CompileLine:
-    """The stderr line shown while a first run compiles kernels: rewritten in place with the
-    elapsed time on a terminal, one line per finished group otherwise."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.shown = -1
-
-    def __call__(self, done: int, total: int) -> None:
-        if done == total == self.shown:
-            return
-        text = (f"compiling kernels for this CPU (first run only): {done}/{total}, "
-                f"{time.perf_counter() - self.start:.0f} s")
-        if sys.stderr.isatty():
-            sys.stderr.write("\r" + text + ("\n" if done == total else ""))
-        elif done != self.shown:
-            sys.stderr.write(text + "\n")
-        self.shown = done
-        sys.stderr.flush()
 
 
 def _configure(threads: int) -> None:
@@ -123,7 +102,9 @@ def cmd_run(args) -> int:
     settings = model_settings(args) | speculative_settings(args)
     _configure(settings["threads"])
     t0 = time.perf_counter()
-    model = load(args.model, **settings, compile_progress=_CompileLine())
+    constrained = any(v is not None for v in (args.grammar, args.grammar_file, args.json_schema))
+    model = load(args.model, **settings, compile_progress=CompileLine(),
+                 prime_grammar=constrained)   # its kernels compile with the model's
     load_s = time.perf_counter() - t0
     # A file without a chat template is a base model: continue the text, as llama.cpp's CLI,
     # Ollama and mlx-lm do, unless a template or a system prompt asks for chat turns.
@@ -282,7 +263,7 @@ def cmd_pull(args) -> int:
     path = fetch(args.name, args.models_dir)
     # Build its kernels now, so that its first run starts at once.
     _configure(0)
-    load(path, models_dir=args.models_dir, compile_progress=_CompileLine()).close()
+    load(path, models_dir=args.models_dir, compile_progress=CompileLine()).close()
     print(path)
     return 0
 

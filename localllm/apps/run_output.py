@@ -1,9 +1,34 @@
-"""`llm run`'s output of a reasoning model: the thinking on stderr (dimmed on a terminal),
-the answer on stdout."""
+"""What `llm run` and `llm serve` show besides the answer: the line of a first run's kernel
+compile, and a reasoning model's thinking on stderr (dimmed on a terminal) with the answer
+on stdout."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 from localllm.text.reasoning import Part
+
+
+class CompileLine:
+    """The stderr line shown while a first run compiles kernels: rewritten in place with the
+    elapsed time on a terminal, one line per finished group otherwise."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.shown = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == total == self.shown:
+            return
+        text = (f"compiling kernels for this CPU (first run only): {done}/{total}, "
+                f"{time.perf_counter() - self.start:.0f} s")
+        if sys.stderr.isatty():
+            sys.stderr.write("\r" + text + ("\n" if done == total else ""))
+        elif done != self.shown:
+            sys.stderr.write(text + "\n")
+        self.shown = done
+        sys.stderr.flush()
 
 
 class ReasoningOut:

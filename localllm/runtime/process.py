@@ -105,3 +105,39 @@ def keep_scratch_memory(system: str | None = None) -> bool:
     mallopt.restype = ctypes.c_int
     return (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
             and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
+
+
+class _CompileCounter:
+    """Numba's compile events, outermost only (a kernel's callees compile inside it)."""
+
+    def __init__(self):
+        from numba.core import event
+
+        counter = self
+        self.count = 0
+        self._depth = 0
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                counter._depth += 1
+
+            def on_end(self, ev):
+                counter._depth -= 1
+                counter.count += counter._depth == 0
+        event.register("numba:compile", Listener())
+
+
+_counter: _CompileCounter | None = None
+
+
+def count_compiles() -> None:
+    """Start counting this process's kernel compiles (see ``compiles``); idempotent."""
+    global _counter
+    if _counter is None:
+        _counter = _CompileCounter()
+
+
+def compiles() -> int:
+    """Kernels compiled (not loaded from the kernel cache) in this process since
+    ``count_compiles`` was first called (0 before): each kept whatever waited for it waiting."""
+    return _counter.count if _counter is not None else 0

@@ -11,6 +11,7 @@ fused block compiling at low priority for the runs after it.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import queue
 import subprocess
@@ -27,7 +28,7 @@ from localllm.runtime.process import configure_process
 Progress = Callable[[int, int], None]  # (groups done, groups in all)
 
 # Rough single-core compile seconds per group (2-core Zen 5), to deal groups to workers.
-_COST = {"attention": 14.0, "ops": 3.0, "matmul": 2.0}
+_COST = {"attention": 14.0, "ops": 3.0, "matmul": 2.0, "call": 14.0}
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -71,8 +72,13 @@ def block_job(gguf_path) -> str:
 
 
 def run_job(job: str) -> None:
-    """Run one kernel group ('attention', 'ops' or 'matmul:Q4_K')."""
+    """Run one kernel group: 'attention', 'ops', 'matmul:Q4_K', or 'call:MODULE:FUNCTION',
+    a group a layer above this one names (a function that compiles its own kernels)."""
     kind, _, arg = job.partition(":")
+    if kind == "call":
+        module, _, function = arg.partition(":")
+        getattr(importlib.import_module(module), function)()
+        return
     from localllm.backends.cpu import CpuBackend
     be = CpuBackend()
     if kind == "attention":
@@ -186,7 +192,7 @@ def _block_running(job: str) -> bool:
 
 
 def prepare(gguf_path, progress: Progress | None, block_command: list[str],
-            workers: int | None = None) -> bool:
+            workers: int | None = None, calls: tuple[str, ...] = ()) -> bool:
     """Compile what a model's op-by-op forward needs that the kernel cache lacks, in parallel
     workers; unless its fused decoder block is built (or building), start a low-priority
     worker on that.
@@ -198,14 +204,15 @@ def prepare(gguf_path, progress: Progress | None, block_command: list[str],
         block_command: the command that compiles one model's fused block, given the model's
             path as its last argument (it runs ``main_for(block_job(path), ...)``).
         workers: parallel worker processes (None: one per CPU).
+        calls: more groups to build with the model's, each 'call:MODULE:FUNCTION'.
     Returns:
         Whether the model should run its fused decoder block (else op by op, for now).
     """
     block = block_job(gguf_path)
     # A block whose worker failed is left to the model's own process, as without workers.
     block_ready = _done(block) or _marker(block).with_suffix(".failed").is_file()
-    jobs = [j for j in ["attention", "ops"] + [f"matmul:{t}" for t in model_formats(gguf_path)]
-            if not _done(j)]
+    jobs = [j for j in ["attention", "ops", *[f"matmul:{t}" for t in model_formats(gguf_path)],
+                        *calls] if not _done(j)]
     if jobs:
         n = max(1, min(len(jobs), workers or os.cpu_count() or 1))
         worker = [sys.executable, "-m", "localllm.runtime.warm"]

@@ -18,12 +18,19 @@ LISTENING = re.compile(r"listening on (http://\S+)")
 class ServerProcess:
     """`llm serve MODEL --port 0 ARGS...`, its URL read from the line it prints on start."""
 
-    def __init__(self, model: str, *args: str, api_key: str | None = None):
+    def __init__(self, model: str, *args: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None):
+        """Args:
+            model: the model argument of `llm serve`.
+            *args: more arguments of `llm serve`.
+            api_key: the server's --api-key (and the key ``headers`` sends).
+            env: variables to set in the server's environment, over this process's.
+        """
         cmd = [sys.executable, "-m", "localllm.apps.cli", "serve", str(model), "--port", "0", *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.api_key = api_key
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []

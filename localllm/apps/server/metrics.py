@@ -49,6 +49,7 @@ class Gauges:
     kv_blocks_free: int = 0
     kv_blocks_cached: int = 0
     model_loaded: int = 0
+    kernel_compiles: int = 0
 
 
 @dataclass
@@ -157,6 +158,10 @@ class Metrics:
                 ("kv_blocks_cached", "gauge", "Free KV blocks still holding a cached prefix.",
                  g.kv_blocks_cached),
                 ("model_loaded", "gauge", "1 once the model is loaded.", g.model_loaded),
+                ("kernel_compiles_total", "counter",
+                 "Kernels this process compiled rather than loaded from the kernel cache "
+                 "(during the load; one while serving delays the request it serves).",
+                 g.kernel_compiles),
             ]
             out = []
             for name, kind, help_text, value in rows:

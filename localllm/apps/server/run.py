@@ -15,6 +15,8 @@ import uvicorn
 
 from localllm import __version__
 from localllm.formats.fetch import KNOWN_MODELS, resolve_model_path, resolve_name
+from localllm.runtime.process import count_compiles
+from ..run_output import CompileLine
 from .app import create_app
 from .common import ResponseStore, ServerState
 from .metrics import Metrics
@@ -77,6 +79,7 @@ def serve(settings: ServerSettings) -> int:
     """
     settings.check()
     from localllm.api import load
+    count_compiles()   # /metrics shows the kernels this process compiles
     path = resolve_model_path(settings.model, settings.load.get("models_dir"))
     settings.model_id = settings.model_id or model_id_for(settings.model, path)
     names = frozenset({settings.model_id, path.name, path.stem, *settings.aliases,
@@ -95,6 +98,10 @@ def serve(settings: ServerSettings) -> int:
         load_kw = dict(settings.load)
         if not load_kw.get("kv_pool_mb"):   # room for each slot's full context, memory allowing
             load_kw.setdefault("kv_contexts", max(2, settings.parallel))
+        # Kernels this CPU lacks compile now, in parallel workers, grammar ones included:
+        # no request waits for the compiler.
+        load_kw.setdefault("compile_progress", CompileLine())
+        load_kw.setdefault("prime_grammar", True)
         m = load(path, **load_kw)
         fits = max(1, m.plan.pool_tokens // max(1, m.ctx))
         if settings.parallel_default and fits < settings.parallel:

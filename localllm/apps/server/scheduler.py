@@ -14,6 +14,7 @@ from typing import Any, Callable
 from .errors import APIError, busy, request_error
 from .metrics import Gauges, Metrics
 from localllm.generation.batching import Batcher
+from localllm.runtime.process import compiles
 from .constraints import Constraints
 from .runs import Event, Failed, GenerationSpec, JobRun
 
@@ -172,7 +173,7 @@ class Scheduler:
         """The scheduler's gauges, with the KV cache's blocks when ``kv`` (KVStats) is given."""
         with self._cond:
             g = Gauges(requests_waiting=len(self._waiting), requests_running=len(self._active),
-                       model_loaded=int(self.model is not None))
+                       model_loaded=int(self.model is not None), kernel_compiles=compiles())
         if kv is not None:
             g.kv_blocks_used, g.kv_blocks_free = kv.blocks_used, kv.blocks_free
             g.kv_blocks_cached = kv.blocks_cached
