@@ -208,7 +208,7 @@ class Decoder:
         Returns:
             Chunks whose text is final (the last carries the finish reason once done).
         """
-        st, p = self.stats, self.params
+        st = self.stats
         now = time.perf_counter()
         if not self._prompt_done:
             self._prompt_done = True

@@ -177,7 +177,7 @@ class Sampler:
             (token id, its log-probability under the model's raw distribution, the
             ``top_logprobs`` most likely (id, log-probability) pairs, or []).
         """
-        p, con = self.p, self.constraint
+        con = self.constraint
         if self._plain_greedy():
             tok = self._greedy(logits, con)
         else:
