@@ -209,6 +209,10 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
             N, K = (int(s) for s in t.shape)
             d.weight_bytes += d.backend.plan_matrix_nbytes(t.type_name, N, K)
             d.largest = max(d.largest, N * K)
+        elif len(t.shape) == 3:  # a stack of experts, each packed as a matrix
+            E, N, K = (int(s) for s in t.shape)
+            d.weight_bytes += E * d.backend.plan_matrix_nbytes(t.type_name, N, K)
+            d.largest = max(d.largest, N * K)
         else:
             d.weight_bytes += 4 * int(t.n_elements)
     B = req.batch_size
