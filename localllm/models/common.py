@@ -183,6 +183,23 @@ class WeightLoader:
             start += n
         return out
 
+    def experts(self, name: str, n_experts: int, N: int, K: int):
+        """A GGUF 3-D stack of expert matrices (n_experts of N out, K in), uploaded with
+        ``upload_experts`` to its layer's backend."""
+        info = self._info(name, (n_experts, N, K))
+        be = self.backend_for(name)
+        done = None
+        if be.copies_weights:
+            done = lambda a, b: self.file.release(name, a, b)  # noqa: E731
+        return be.upload_experts(name, info.type_name, self.file.raw(name), n_experts, N, K,
+                                 done)
+
+    def row_matrix(self, name: str, K: int):
+        """A 1-D tensor of K weights used as a (1, K) matrix (a shared expert's gate)."""
+        info = self._info(name, (K,))
+        be = self.backend_for(name)
+        return be.upload_matrix(name, info.type_name, self.file.raw(name), 1, K)
+
     def vector(self, name: str, n: int):
         """A float 1-D tensor (norm weight or bias) as float32, on its backend."""
         return self.backend_for(name).upload_vector(self.host_vector(name, n))
