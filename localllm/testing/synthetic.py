@@ -91,28 +91,32 @@ SPECS = {
                          meta={"attention.sliding_window": (2047, GGUFValueType.UINT32)}),
 }
 # Mixture-of-experts models (kept apart: scripts/make_synthetic.py --moe scores them).
-# Widths of 128 leave K-quants to the matrices that read 256-wide inputs.
+# Widths of 128 leave K-quants to the matrices that read 256-wide inputs. Blocks weigh more
+# than in the dense models (0.25), so that routing errors show: without the top-k
+# renormalisation Qwen3-MoE's argmax moves at 7% of the positions (at 0.1, at 1%).
 MOE_SPECS = {
     "qwen3moe": Spec("qwen3moe", {"attn": "Q8_0", "attn_output": "Q4_K", "exps": "Q4_0",
                                   "exps_down": "Q6_K", "embd": "Q8_0", "output": "F16"},
                      pre="qwen2", dim=128, n_layers=2, head_dim=64, rope_theta=1000000.0,
                      context_length=40960, qk_norm=True, n_experts=8, n_used=2, hidden_dim=256,
-                     expert_hidden=256),
+                     expert_hidden=256, block_gain=0.25),
     "qwen2moe": Spec("qwen2moe", {"attn": "Q5_0", "attn_output": "Q5_1", "exps": "Q8_0",
                                   "exps_down": "Q4_K", "ffn": "Q4_1", "ffn_down": "Q5_K",
                                   "embd": "Q8_0", "output": "F32"},
                      pre="qwen2", dim=128, n_layers=2, head_dim=32, rope_theta=1000000.0,
                      context_length=32768, qkv_bias=True, n_experts=8, n_used=4, hidden_dim=256,
-                     expert_hidden=256, shared_hidden=512),
+                     expert_hidden=256, shared_hidden=512, block_gain=0.25),
     "olmoe": Spec("olmoe", {"attn": "IQ4_NL", "attn_output": "Q8_0", "exps": "Q5_0",
                             "exps_down": "Q4_K", "embd": "Q5_0", "output": "F16"},
                   dim=128, n_layers=2, n_kv_heads=4, head_dim=32, qk_norm=True,
-                  qk_norm_whole=True, n_experts=6, n_used=2, expert_hidden=256, hidden_dim=256),
+                  qk_norm_whole=True, n_experts=6, n_used=2, expert_hidden=256, hidden_dim=256,
+                  block_gain=0.25),
     # Mixtral: the llama architecture with experts, top-2 of 8, renormalised
     "mixtral": Spec("llama", {"attn": "Q4_0", "attn_output": "Q8_0", "exps": "Q4_1",
                               "exps_down": "Q6_K", "embd": "Q8_0", "output": "F16"},
                     dim=128, n_layers=2, head_dim=32, rope_theta=1000000.0,
-                    context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256),
+                    context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256,
+                    block_gain=0.25),
 }
 ALL_SPECS = {**SPECS, **MOE_SPECS}
 

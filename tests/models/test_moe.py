@@ -17,6 +17,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
 KL_MAX = 0.01
 TOP1_MARGIN = 0.015    # below llama.cpp's own token-by-token agreement with its batch
 GREEDY_MIN = 0.95      # share of llama.cpp's greedy tokens we predict, teacher-forced
+DEVICE_TOP1, DEVICE_KL = 0.95, 0.01   # torch and MLX (float activations) against the CPU
 CASES = sorted(synthetic.MOE_CASES)
 
 
@@ -72,15 +73,16 @@ def test_greedy_continuations_agree_with_llama_cpp(moe_models, case):
     hits = total = same = 0
     for g in fx["greedy"]:
         cont = g["continuation"]
+        # llama.cpp's greedy text teacher-forced, as tests/models/test_engine.py scores it
+        seq = g["prompt_ids"] + cont
+        pred = m.logits(seq)[len(g["prompt_ids"]) - 1:len(seq) - 1].argmax(1)
+        hits += int((pred == np.array(cont)).sum())
+        total += len(cont)
         free = [t for c in m.generate(g["prompt_ids"], temperature=0, max_tokens=len(cont),
                                       ignore_eos=True) for t in c.tokens]
-        # tokens up to the first difference, as a user would see them
-        agree = next((i for i, (a, b) in enumerate(zip(free, cont)) if a != b), len(cont))
-        hits += agree
-        total += len(cont)
         same += free == cont
-    print(f"{case}: greedy tokens identical {hits}/{total}, continuations {same}/"
-          f"{len(fx['greedy'])}")
+    print(f"{case}: greedy tokens predicted {hits}/{total}, free-running continuations "
+          f"identical {same}/{len(fx['greedy'])}")
     assert hits / total >= GREEDY_MIN
 
 
@@ -105,9 +107,9 @@ def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name):
 @pytest.mark.parametrize("name", ["qwen2moe", "olmoe"])
 def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name):
     pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
-    ids = load_case(name)["ids"][:96].tolist()
+    ids = load_case(name)["ids"].tolist()
     want = log_softmax(moe_models(name).logits(ids))
-    m = localllm.load(moe_files[name], ctx_size=256, threads=2, weight_cache=False,
+    m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
                       backend=backend, gpu_layers="all")
     try:
         assert all(la.backend is m.gpu_backend for la in m.net.layers)
@@ -117,5 +119,6 @@ def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name
     top1 = float((got.argmax(1) == want.argmax(1)).mean())
     kl = (np.exp(want) * (want - got)).sum(1)
     print(f"{name} on {backend}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
-    assert top1 >= 0.95
-    assert kl.mean() <= 0.01
+    assert top1 >= DEVICE_TOP1
+    assert kl.mean() <= DEVICE_KL
+
