@@ -45,6 +45,7 @@ class MoEWeights:
     shared_up: Any = None
     shared_down: Any = None
     shared_gate_inp: Any = None
+    backend: Any = None   # the Backend holding them when not the layer's (its experts' home)
 
 
 @dataclass(frozen=True)

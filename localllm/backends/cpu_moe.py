@@ -65,7 +65,8 @@ def _quantize_for(x: np.ndarray, weights) -> mm.QuantActivations:
 
 def _rows(act: mm.QuantActivations, rows: np.ndarray) -> mm.QuantActivations:
     """The given rows of quantized activations (each row is quantized on its own)."""
-    pick = lambda parts: None if parts is None else tuple(np.ascontiguousarray(a[rows]) for a in parts)  # noqa: E731
+    def pick(parts):
+        return None if parts is None else tuple(np.ascontiguousarray(a[rows]) for a in parts)
     return mm.QuantActivations(np.ascontiguousarray(act.x[rows]), pick(act.q32), pick(act.q256))
 
 

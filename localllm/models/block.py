@@ -78,7 +78,12 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
         o = be.rms_norm(o, w.post_attn_norm, s.norm_eps)
     x = be.add(x, o)
     h = be.rms_norm(x, w.ffn_norm, s.norm_eps)
-    if w.moe is not None:
+    if w.moe is not None and w.moe.backend is not None:
+        # the experts live elsewhere (e.g. on the CPU): the hidden state crosses and back
+        home = w.moe.backend
+        y = be.from_numpy(home.to_numpy(home.moe_ffn(home.from_numpy(be.to_numpy(h)),
+                                                     w.moe, s.moe)))
+    elif w.moe is not None:
         y = be.moe_ffn(h, w.moe, s.moe)
     else:
         gate, up = be.linear(h, [w.w_gate, w.w_up])

@@ -68,12 +68,32 @@ def pooling_type(meta: dict, arch: str) -> str:
     return POOLING[int(v)]
 
 
+# A layer's router and shared expert run where its experts do (one crossing per layer).
+_FOLLOWS_EXPERTS = re.compile(r"(blk\.\d+\.)ffn_(gate_inp|gate_inp_shexp|gate_shexp|"
+                              r"up_shexp|down_shexp)\.")
+
+
+def tensor_override(name: str, overrides) -> Any:
+    """The value of the first (regex, value) rule whose pattern is found in the tensor's
+    name, as llama.cpp's ``--override-tensor`` matches; a router or shared expert answers
+    for its layer's ``ffn_gate_exps``. None when no rule matches."""
+    m = _FOLLOWS_EXPERTS.match(name)
+    if m:
+        name = m.group(1) + "ffn_gate_exps.weight"
+    for pattern, value in overrides:
+        if re.search(pattern, name):
+            return value
+    return None
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Which backend holds what: the token embedding, each decoder layer, the output head."""
+    """Which backend holds what: the token embedding, each decoder layer, the output head,
+    and tensors named by override rules ((regex, Backend), e.g. experts kept on the CPU)."""
     embed: Backend
     layers: tuple[Backend, ...]
     head: Backend
+    overrides: tuple = ()
 
     @classmethod
     def single(cls, backend: Backend, n_layers: int) -> "Placement":
@@ -83,7 +103,7 @@ class Placement:
     def backends(self) -> list[Backend]:
         """Each distinct backend once, in placement order."""
         out = []
-        for be in (self.embed, *self.layers, self.head):
+        for be in (self.embed, *self.layers, self.head, *(b for _, b in self.overrides)):
             if all(be is not b for b in out):
                 out.append(be)
         return out
@@ -124,6 +144,9 @@ class WeightLoader:
 
     def backend_for(self, name: str) -> Backend:
         """The backend a tensor goes to."""
+        be = tensor_override(name, self.placement.overrides)
+        if be is not None:
+            return be
         m = _LAYER_TENSOR.match(name)
         if m:
             i = int(m.group(1))

@@ -59,10 +59,16 @@ def load(w: WeightLoader, i: int, a) -> MoEWeights:
                   "shared_down": w.matrix(p + "ffn_down_shexp.weight", D, S)}
         if w.has(p + "ffn_gate_inp_shexp.weight"):
             shared["shared_gate_inp"] = w.row_matrix(p + "ffn_gate_inp_shexp.weight", D)
+    home = w.backend_for(p + "ffn_gate_exps.weight")
+    if any(w.backend_for(p + f"ffn_{x}_exps.weight") is not home for x in ("up", "down")):
+        raise ModelError(f"layer {i}: its gate, up and down experts must be placed on one "
+                         "backend (check the tensor overrides)")
     return MoEWeights(router=w.matrix(p + "ffn_gate_inp.weight", E, D),
                       gate=w.experts(p + "ffn_gate_exps.weight", E, F, D),
                       up=w.experts(p + "ffn_up_exps.weight", E, F, D),
-                      down=w.experts(p + "ffn_down_exps.weight", E, D, F), **shared)
+                      down=w.experts(p + "ffn_down_exps.weight", E, D, F),
+                      backend=None if home is w.backend_for(p + "attn_norm.weight") else home,
+                      **shared)
 
 
 def spec(a, norm: bool, activation: str = "silu") -> MoESpec:

@@ -122,3 +122,79 @@ def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name
     assert top1 >= DEVICE_TOP1
     assert kl.mean() <= DEVICE_KL
 
+
+# ---------------------------------------------------------------------------- the split
+
+SPLITS = [("torch", {"cpu_moe": True}), ("torch", {"n_cpu_moe": 1}),
+          ("mlx", {"cpu_moe": True}), ("torch", {"override_tensor": ("blk\\.1\\.ffn_.*_exps=CPU",)})]
+
+
+@pytest.mark.parametrize("backend, split", SPLITS)
+def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_models, backend,
+                                                            split):
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+    name = "qwen2moe"
+    ids = load_case(name)["ids"].tolist()
+    want = log_softmax(moe_models(name).logits(ids))
+    m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
+                      backend=backend, gpu_layers="all", **split)
+    try:
+        if "cpu_moe" in split:
+            cpu_layers = {0, 1}
+        elif "n_cpu_moe" in split:
+            cpu_layers = set(range(split["n_cpu_moe"]))
+        else:
+            cpu_layers = {1}
+        for la in m.net.layers:
+            assert la.backend is m.gpu_backend  # attention and norms on the GPU backend
+            home = la.weights.moe.backend
+            assert (home is not None and home.name == "cpu") == (la.index in cpu_layers)
+        # the ledger's expert bytes per device are what the backends hold
+        for d in m.plan.devices:
+            held = sum(d.backend.matrix_nbytes(x) for la in m.net.layers
+                       for x in (la.weights.moe.gate, la.weights.moe.up, la.weights.moe.down)
+                       if (la.weights.moe.backend or la.backend) is d.backend)
+            assert abs(d.expert_bytes - held) <= 0.05 * max(held, 1), (d.label, d.expert_bytes)
+        got = log_softmax(m.logits(ids))
+    finally:
+        m.close()
+    top1 = float((got.argmax(1) == want.argmax(1)).mean())
+    kl = (np.exp(want) * (want - got)).sum(1)
+    print(f"{name} on {backend} with {split}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
+    assert top1 >= DEVICE_TOP1
+    assert kl.mean() <= DEVICE_KL
+
+
+def test_llm_inspect_plan_lists_expert_bytes_per_device(moe_files):
+    pytest.importorskip("torch")
+    from support.cli import llm
+    r = llm("inspect", str(moe_files["mixtral"]), "--plan", "--backend", "torch", "-ngl", "all",
+            "--n-cpu-moe", "1")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()
+            if line.strip().startswith(("cpu", "torch"))}
+    assert "experts" in r.stdout
+    experts = {k: float(v[v.index("MiB") + 1]) for k, v in rows.items()}
+    assert experts["cpu"] > 0 and experts["torch"] > 0   # one layer's experts each
+
+
+def test_tensor_rules_read_as_llama_cpps_options():
+    from localllm.errors import BadSetting
+    from localllm.models.common import tensor_override
+    from localllm.runtime.placement import EXPERTS, tensor_rules
+    rules = tensor_rules(("ffn_up_exps=CPU,attn=cuda0", "blk\\.7\\.=GPU"), True, 2)
+    assert rules == (("ffn_up_exps", "cpu"), ("attn", "gpu"), ("blk\\.7\\.", "gpu"),
+                     (EXPERTS, "cpu"), ("blk\\.0" + EXPERTS, "cpu"),
+                     ("blk\\.1" + EXPERTS, "cpu"))
+    # the first matching rule wins; a router and a shared expert go where their experts go
+    assert tensor_override("blk.7.ffn_up_exps.weight", rules) == "cpu"
+    assert tensor_override("blk.7.attn_q.weight", rules) == "gpu"
+    assert tensor_override("blk.1.ffn_gate_inp.weight", rules) == "cpu"
+    assert tensor_override("blk.1.ffn_down_shexp.weight", rules) == "cpu"
+    assert tensor_override("blk.2.ffn_norm.weight", rules) is None
+    for bad, needle in ((("exps",), "REGEX=BACKEND"), (("(=CPU",), "not a regular expression"),
+                        (("exps=TPU",), "unknown backend")):
+        with pytest.raises(BadSetting, match=needle):
+            tensor_rules(bad)
+    with pytest.raises(BadSetting, match="--n-cpu-moe"):
+        tensor_rules((), False, -1)
