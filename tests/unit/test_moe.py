@@ -31,8 +31,11 @@ def test_route_picks_the_top_k_with_their_weights(gating, norm):
     logits = rnd(np.random.default_rng(0), 50, E, scale=2.0)
     ids, w = route(logits, 3, gating, norm)
     z = logits.astype(np.float64)
-    p = (np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)
-         if gating == "softmax" else 1 / (1 + np.exp(-z)))
+    if gating == "softmax":
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+    else:
+        p = 1 / (1 + np.exp(-z))
     want_ids = np.argsort(-p, axis=1, kind="stable")[:, :3]
     want = np.take_along_axis(p, want_ids, 1)
     if norm:
