@@ -38,7 +38,7 @@ from localllm.models import build, module_for
 from localllm.models.common import WeightLoader, check_blocks
 from localllm.runtime import warm
 from localllm.runtime.placement import (MemoryPlan, PlanRequest, make_gpu_backend, parse_gpu_layers,
-                                        plan_memory, resolve_backend)
+                                        plan_memory, resolve_backend, tensor_rules)
 from localllm.runtime.process import ProcessConfig, configure_process
 from localllm.runtime.sequence import KVSpace, KVStats, Runner, Sequence, StepItem, check_tokens
 from localllm.text.chat_template import ChatTemplate
@@ -64,6 +64,9 @@ class LoadSettings:
     chat_template: str | None = None   # builtin name or file; None: the file's own
     backend: str = "auto"              # GPU backend: auto, cpu (none), torch or mlx
     gpu_layers: int | str = "auto"     # layers on the GPU backend (the last ones): N, auto, all
+    cpu_moe: bool = False              # every layer's experts on the CPU
+    n_cpu_moe: int = 0                 # the experts of the first N layers on the CPU
+    override_tensor: tuple = ()        # "REGEX=BACKEND" rules (CPU or GPU), as llama.cpp's -ot
     models_dir: str | None = None      # model cache directory override
     download: bool = True              # fetch known model names when not cached
     weight_cache: bool = False         # also keep repacked weights on disk (a second copy)
@@ -117,9 +120,10 @@ def _make_cpu_backend(settings: LoadSettings) -> CpuBackend:
 
 def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:
     """What the memory ledger is planned for, from load settings."""
+    rules = tensor_rules(settings.override_tensor, settings.cpu_moe, settings.n_cpu_moe)
     return PlanRequest(ctx, settings.ctk, settings.ctv, settings.kv_block_size,
                        max(1, settings.batch_size), settings.kv_pool_mb, settings.gpu_layers,
-                       max(1, settings.kv_contexts))
+                       max(1, settings.kv_contexts), rules)
 
 
 def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None

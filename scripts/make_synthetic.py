@@ -6,6 +6,7 @@ same files and compare against those fixtures).
 
   python scripts/make_synthetic.py --dir DIR                        # the GGUF files only
   python scripts/make_synthetic.py --dir DIR --reference PYTHON     # and the fixtures
+  python scripts/make_synthetic.py --dir DIR --reference PYTHON --moe   # the MoE ones only
 
 PYTHON is an interpreter with llama-cpp-python; it runs this script's ``--score`` step,
 which needs only llama_cpp and numpy.
@@ -23,11 +24,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "synthetic"
+GREEDY_PROMPTS = 6  # llama.cpp's greedy continuations of the first prompts, 32 tokens each
 
 
-def write_models(out: Path) -> dict:
-    """Write every synthetic model into ``out``; returns the cases to score (also written
-    as out/cases.json for the --score step)."""
+def write_models(out: Path, moe: bool = False) -> dict:
+    """Write every synthetic model into ``out`` (``moe``: the mixture-of-experts ones);
+    returns the cases to score (also written as out/cases.json for the --score step)."""
     from localllm.testing import synthetic
     from make_fixtures import model_path
     from localllm.formats.gguf import GGUFFile
@@ -35,14 +37,16 @@ def write_models(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     src = GGUFFile(model_path("smollm"))
     digests = {}
-    for name in synthetic.SPECS:
+    specs, case_table = ((synthetic.MOE_SPECS, synthetic.MOE_CASES) if moe
+                         else (synthetic.SPECS, synthetic.CASES))
+    for name in specs:
         path = synthetic.write(name, out / f"{name}.gguf", src.metadata)
         digests[name] = synthetic.digest(path)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     src.close()
     cases = {case: {"model": model, "n_ctx": n_ctx, "digest": digests[model],
                     "file": str(out / f"{model}.gguf")}
-             for case, (model, n_ctx) in synthetic.CASES.items()}
+             for case, (model, n_ctx) in case_table.items()}
     (out / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -52,7 +56,8 @@ def score(out: Path) -> None:
     case, its own token-by-token agreement, and its token ids of the tokenizer texts."""
     import llama_cpp
     from localllm.testing.fixture_texts import corpus
-    from fixtures_logits import PASSAGE, THREADS, TOPK, all_logits, coarse_kl, log_softmax
+    from fixtures_logits import (GREEDY_TOKENS, PASSAGE, PROMPTS, THREADS, TOPK, all_logits,
+                                 coarse_kl, log_softmax)
 
     FIXTURES.mkdir(parents=True, exist_ok=True)
     texts = corpus()
@@ -61,6 +66,15 @@ def score(out: Path) -> None:
         ids = [int(i) for i in llm.tokenize(PASSAGE.encode(), add_bos=True, special=False)]
         text_ids = [[int(i) for i in llm.tokenize(t.encode(), add_bos=False, special=False)]
                     for t in texts]
+        greedy = []
+        for prompt in PROMPTS[:GREEDY_PROMPTS]:
+            pids = [int(i) for i in llm.tokenize(prompt.encode(), add_bos=True, special=False)]
+            out = []
+            for t in llm.generate(pids, temp=0.0, top_k=1, reset=True):
+                out.append(int(t))
+                if len(out) >= GREEDY_TOKENS:
+                    break
+            greedy.append({"prompt_ids": pids, "continuation": out})
         llm.close()
         lp = log_softmax(all_logits(c["file"], ids, 512, c["n_ctx"]))
         top = np.argsort(-lp, axis=1, kind="stable")[:, :TOPK]
@@ -70,8 +84,9 @@ def score(out: Path) -> None:
             "about": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads, "
                      f"n_ctx {c['n_ctx']}) on the synthetic {c['model']} model: top-{TOPK} "
                      "log-probs over the passage from one batch of 512; self: token by token "
-                     "against that batch; text_ids: the tokenizer texts without BOS",
-            **c, "passage": PASSAGE, "texts": texts, "text_ids": text_ids,
+                     "against that batch; text_ids: the tokenizer texts without BOS; greedy: "
+                     "its greedy continuations of the first prompts",
+            **c, "passage": PASSAGE, "texts": texts, "text_ids": text_ids, "greedy": greedy,
             "self": {"top1": float((seq.argmax(1) == lp.argmax(1)).mean()),
                      "kl_mean": float(coarse_kl(top, top_lp, seq).mean())},
         }
@@ -90,12 +105,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", type=Path, required=True, help="where the GGUF files go")
     ap.add_argument("--reference", metavar="PYTHON",
                     help="an interpreter with llama-cpp-python: also write the fixtures")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts models")
     ap.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.score:
         score(args.dir)
         return 0
-    write_models(args.dir)
+    write_models(args.dir, args.moe)
     if args.reference:
         return subprocess.call([args.reference, __file__, "--dir", str(args.dir), "--score"])
     return 0

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from localllm.apps.cli_args import (EXIT_USAGE, build_parser, gpu_layers_option,
-                                    model_settings, sampling_settings, speculative_settings)
+from localllm.apps.cli_args import (EXIT_USAGE, build_parser, model_settings,
+                                    sampling_settings, speculative_settings, split_settings)
 from localllm.apps.cli_embed import cmd_embed
 from localllm.errors import (BadSetting, ContextFull, FetchError, KVPoolFull, LocalLLMError,
                              ModelFileError, NotEnoughMemory, TokenOutOfVocab)
@@ -308,9 +308,7 @@ def cmd_inspect(args) -> int:
             raise ValueError(f"--ctx-size must be >= 0, got {args.ctx_size}")
         settings = LoadSettings(ctx_size=args.ctx_size, batch_size=args.batch_size,
                                 ctk=args.cache_type_k, ctv=args.cache_type_v,
-                                backend=args.backend,
-                                gpu_layers=gpu_layers_option(args.gpu_layers),
-                                models_dir=args.models_dir)
+                                models_dir=args.models_dir, **split_settings(args))
         _configure(0)  # the plan packs a tile of each format to measure it
         with GGUFFile(path) as f:
             print(f"{path.name}:\n{plan_model(f, settings)[0].format()}")

@@ -56,6 +56,14 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--gpu-layers", default="auto", metavar="N|auto|all",
                    help="layers on the GPU backend, the last ones, with the output head "
                         "(default auto: as many as fit its free memory)")
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="keep every layer's experts (ffn_*_exps) on the CPU")
+    p.add_argument("--n-cpu-moe", type=int, default=0, metavar="N",
+                   help="keep the experts of the first N layers on the CPU")
+    p.add_argument("-ot", "--override-tensor", action="append", default=[],
+                   metavar="REGEX=BACKEND",
+                   help="put tensors whose name matches REGEX on BACKEND (CPU or GPU), "
+                        "repeatable or comma-separated, as llama.cpp's")
 
 
 def model_settings(args) -> dict:
@@ -71,8 +79,14 @@ def model_settings(args) -> dict:
                 chat_template=args.chat_template, models_dir=args.models_dir,
                 weight_cache=args.weight_cache, ctk=args.cache_type_k,
                 ctv=args.cache_type_v, kv_block_size=args.kv_block_size,
-                kv_pool_mb=args.kv_pool_mb, backend=args.backend,
-                gpu_layers=gpu_layers_option(args.gpu_layers))
+                kv_pool_mb=args.kv_pool_mb, **split_settings(args))
+
+
+def split_settings(args) -> dict:
+    """LoadSettings fields of the CPU/GPU split options."""
+    return dict(backend=args.backend, gpu_layers=gpu_layers_option(args.gpu_layers),
+                cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
+                override_tensor=tuple(args.override_tensor))
 
 
 def gpu_layers_option(text: str) -> int | str:

@@ -22,6 +22,33 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """How one mixture-of-experts layer routes (models/moe.py reads it from the metadata)."""
+    n_experts: int
+    n_used: int                # experts per token (top-k)
+    gating: str = "softmax"    # router probabilities: 'softmax' or 'sigmoid'
+    norm: bool = False         # divide the k chosen weights by their sum
+    scale: float = 0.0         # factor on the weights (0 or 1: none)
+    activation: str = "silu"   # the experts' gated activation
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """One mixture-of-experts FFN as uploaded: the router (n_experts out, dim in), the
+    experts (``upload_experts``: n_experts matrices each), and an optional shared expert
+    with an optional gate (1 out, dim in) whose sigmoid scales it."""
+    router: Any
+    gate: Any
+    up: Any
+    down: Any
+    shared_gate: Any = None
+    shared_up: Any = None
+    shared_down: Any = None
+    shared_gate_inp: Any = None
+    backend: Any = None   # the Backend holding them when not the layer's (its experts' home)
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """How one layer's KV pages are shaped: heads, head size, tokens per block, KV types."""
     n_kv_heads: int
@@ -89,6 +116,12 @@ class Backend(Protocol):
         """Keep a weight matrix (N out, K in) from GGUF bytes; quantized where possible.
         ``done(start, end)``, if given, may be called for byte ranges no longer needed."""
 
+    def upload_experts(self, name: str, type_name: str, raw: Any, n_experts: int, N: int,
+                       K: int, done: Any = None) -> Any:
+        """Keep a stack of expert matrices (n_experts of (N out, K in), the GGUF 3-D tensor
+        ``raw`` expert after expert), each computable on its own; ``done`` as for
+        upload_matrix."""
+
     def upload_vector(self, values: Any) -> Any:
         """Keep a float32 1-D tensor (norm weights, biases)."""
 
@@ -96,7 +129,7 @@ class Backend(Protocol):
         """Keep a token embedding table (GGUF blocks, (vocab, row_bytes) uint8)."""
 
     def matrix_nbytes(self, w: Any) -> int:
-        """Bytes an uploaded matrix occupies."""
+        """Bytes an uploaded matrix (or stack of experts) occupies."""
 
     # ---- memory (the ledger plans with these before anything is allocated)
 
@@ -154,6 +187,12 @@ class Backend(Protocol):
 
     def add(self, x: Any, y: Any) -> Any:
         """x + y (may reuse x's storage)."""
+
+    def moe_ffn(self, x: Any, w: MoEWeights, spec: MoESpec) -> Any:
+        """A mixture-of-experts FFN of normed hidden states x (n, dim): each token's top-k
+        experts (SwiGLU) weighted by the router, summed in rank order, plus the shared
+        expert (times its sigmoid gate) where there is one: (n, dim). A token's result
+        does not depend on the other tokens of x."""
 
     def decoder_block(self, x: Any, w: Any, spec: Any, positions: Sequence[int],
                       kv: KVBatch) -> Any:

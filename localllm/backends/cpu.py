@@ -23,7 +23,7 @@ from localllm.kernels import kvpages
 from localllm.kernels import matmul as mm
 from localllm.kernels import ops
 
-from . import cpu_block
+from . import cpu_block, cpu_moe
 from .base import KVBatch, KVLayout, MemoryInfo, RopeSpec
 from .cpu_store import PackedStore
 from .host import RopeTables
@@ -167,6 +167,11 @@ class CpuBackend:
         self._held += w.nbytes
         return w
 
+    def upload_experts(self, name, type_name, raw, n_experts, N, K, done=None):
+        w = cpu_moe.pack_experts(type_name, raw, n_experts, N, K, done)
+        self._held += w.nbytes
+        return w
+
     def upload_vector(self, values):
         v = np.ascontiguousarray(values, dtype=np.float32)
         self._held += v.nbytes
@@ -294,6 +299,9 @@ class CpuBackend:
     def add(self, x, y):
         ops.add_inplace(x, y)
         return x
+
+    def moe_ffn(self, x, w, spec):
+        return cpu_moe.moe_ffn(x, w, spec)
 
     def layer_norm(self, x, weight, bias, eps):
         out = np.empty_like(x)

@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from localllm.formats.quants import row_nbytes
+from localllm.kernels import moe as moe_k
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVBatch, KVLayout
@@ -145,6 +147,16 @@ def new_pages(layout: KVLayout, n_blocks: int,
                          make_store(layout.v_type, n, layout.n_kv_heads, layout.head_dim))
 
 
+@dataclass(frozen=True)
+class DeviceExperts:
+    """A layer's stack of expert matrices, each uploaded as the backend's matrix."""
+    parts: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.parts)
+
+
 class DeviceBackend:
     """What the torch and MLX backends do the same way. Subclasses set ``name`` and
     ``device``, call ``super().__init__()``, and fill the hooks (the ``_`` methods that raise
@@ -195,6 +207,10 @@ class DeviceBackend:
     def _kv_store(self, kv_type: str, n_slots: int, n_kv: int, hd: int) -> DeviceKVStore:
         raise NotImplementedError
 
+    def _concat(self, parts: list) -> Any:
+        """Arrays (n_i, d) stacked by rows."""
+        raise NotImplementedError
+
     # ---- memory and weights
 
     def held_nbytes(self) -> int:
@@ -213,6 +229,16 @@ class DeviceBackend:
 
     def matrix_nbytes(self, w: Any) -> int:
         return w.nbytes
+
+    def upload_experts(self, name: str, type_name: str, raw: Any, n_experts: int, N: int,
+                       K: int, done: Any = None) -> DeviceExperts:
+        per = N * row_nbytes(type_name, K)
+        raw = np.asarray(raw).reshape(-1)
+        parts = tuple(self.upload_matrix(f"{name}#{e}", type_name, raw[e * per:(e + 1) * per],
+                                         N, K) for e in range(n_experts))
+        if done is not None:
+            done(0, n_experts * per)
+        return DeviceExperts(parts)
 
     # ---- math
 
@@ -268,6 +294,43 @@ class DeviceBackend:
 
     def select_rows(self, x: Any, rows: Sequence[int]) -> Any:
         return x[self._indices(rows)]
+
+    def _swiglu(self, x: Any, gate: Any, up: Any, down: Any, act: str) -> Any:
+        g, u = self.linear(x, [gate, up])
+        return self.linear(self.glu(g, u, act), [down])[0]
+
+    def moe_ffn(self, x: Any, w: Any, spec: Any) -> Any:
+        """As the CPU's (backends/cpu_moe.py): routing on the host with the same kernel,
+        each chosen expert once over its tokens, the weighted sum in rank order."""
+        logits = np.ascontiguousarray(self.to_numpy(self.linear(x, [w.router])[0]))
+        n, k = logits.shape[0], spec.n_used
+        ids = np.empty((n, k), np.int32)
+        weights = np.empty((n, k), np.float32)
+        moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
+                    ids, weights)
+        flat = ids.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        bounds = np.searchsorted(flat[order], np.arange(spec.n_experts + 1))
+        outs, pairs = [], []
+        for e in np.flatnonzero(np.diff(bounds)):
+            p = order[bounds[e]:bounds[e + 1]]
+            outs.append(self._swiglu(self.select_rows(x, p // k), w.gate.parts[e],
+                                     w.up.parts[e], w.down.parts[e], spec.activation))
+            pairs.append(p)
+        back = np.empty(n * k, np.int64)  # row of (token t, slot j) in the stacked outputs
+        back[np.concatenate(pairs)] = np.arange(n * k)
+        y = self.select_rows(self._concat(outs), back).reshape(n, k, -1)
+        wt = self._floats(weights.reshape(-1)).reshape(n, k, 1)
+        out = y[:, 0] * wt[:, 0]
+        for j in range(1, k):
+            out = out + y[:, j] * wt[:, j]
+        if w.shared_up is not None:
+            s = self._swiglu(x, w.shared_gate, w.shared_up, w.shared_down, spec.activation)
+            if w.shared_gate_inp is not None:
+                g = self.linear(x, [w.shared_gate_inp])[0]  # (n, 1)
+                s = s * (1.0 / (1.0 + self._exp(-g)))
+            out = out + s
+        return out
 
     # ---- KV pages
 

@@ -124,6 +124,9 @@ class MlxBackend(DeviceBackend):
     def _embedding_rows(self, table: MlxMatrix, idx):
         return dequantize(table, idx)
 
+    def _concat(self, parts):
+        return mx.concatenate(list(parts), 0)
+
     def _kv_store(self, kv_type, n_slots, n_kv, hd):
         return mlx_kv.KVStore(kv_type, n_slots, n_kv, hd)
 

@@ -109,6 +109,9 @@ class TorchBackend(DeviceBackend):
     def _embedding_rows(self, table: TorchEmbedding, idx):
         return dequantize_rows(table.rows[idx], table.type_name, table.dim)
 
+    def _concat(self, parts):
+        return torch.cat(list(parts), 0)
+
     def _kv_store(self, kv_type, n_slots, n_kv, hd):
         return torch_kv.KVStore(kv_type, n_slots, n_kv, hd, self.torch_device)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localllm.backends.base import Backend, KVBatch, RopeSpec
+from localllm.backends.base import Backend, KVBatch, MoESpec, RopeSpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class BlockSpec:
     window: int = 0              # sliding-window attention span, 0 for global
     activation: str = "silu"     # gated FFN activation: 'silu' or 'gelu_tanh'
     k_balance: tuple | None = None  # per-dim key scaling of rotated KV types (kvpages)
+    moe: MoESpec | None = None   # the routing of a mixture-of-experts FFN (weights.moe)
+    qk_norm_whole: bool = False  # QK-norm over all heads at once (OLMoE), not per head
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class BlockWeights:
     k_norm: Any = None
     post_attn_norm: Any = None   # RMSNorm of the attention / FFN output before the residual
     post_ffn_norm: Any = None
+    moe: Any = None              # MoEWeights in place of w_gate/w_up/w_down (then None)
 
 
 def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
@@ -64,8 +67,9 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
     biases = [w.bq, w.bk, w.bv] if w.bq is not None else None
     q, k, v = be.linear(h, [w.wq, w.wk, w.wv], biases)
     if w.q_norm is not None:
-        q = be.head_norm(q, s.n_heads, w.q_norm, s.norm_eps)
-        k = be.head_norm(k, s.n_kv_heads, w.k_norm, s.norm_eps)
+        whole = s.qk_norm_whole
+        q = be.head_norm(q, 1 if whole else s.n_heads, w.q_norm, s.norm_eps)
+        k = be.head_norm(k, 1 if whole else s.n_kv_heads, w.k_norm, s.norm_eps)
     q = be.rope(q, s.n_heads, positions, s.rope)
     k = be.rope(k, s.n_kv_heads, positions, s.rope)
     o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window, s.k_balance)
@@ -74,15 +78,24 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
         o = be.rms_norm(o, w.post_attn_norm, s.norm_eps)
     x = be.add(x, o)
     h = be.rms_norm(x, w.ffn_norm, s.norm_eps)
-    gate, up = be.linear(h, [w.w_gate, w.w_up])
-    y = be.linear(be.glu(gate, up, s.activation), [w.w_down])[0]
+    if w.moe is not None and w.moe.backend is not None:
+        # the experts live elsewhere (e.g. on the CPU): the hidden state crosses and back
+        home = w.moe.backend
+        y = be.from_numpy(home.to_numpy(home.moe_ffn(home.from_numpy(be.to_numpy(h)),
+                                                     w.moe, s.moe)))
+    elif w.moe is not None:
+        y = be.moe_ffn(h, w.moe, s.moe)
+    else:
+        gate, up = be.linear(h, [w.w_gate, w.w_up])
+        y = be.linear(be.glu(gate, up, s.activation), [w.w_down])[0]
     if w.post_ffn_norm is not None:
         y = be.rms_norm(y, w.post_ffn_norm, s.norm_eps)
     return be.add(x, y)
 
 
 def run_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions, kv: KVBatch):
-    """The block on the backend's native path when it has one, else composed from ops."""
-    if be.fused_blocks:
+    """The block on the backend's native path when it has one, else composed from ops (the
+    native blocks have dense FFNs only)."""
+    if be.fused_blocks and w.moe is None and not spec.qk_norm_whole:
         return be.decoder_block(x, w, spec, positions, kv)
     return compose_block(be, x, w, spec, positions, kv)

@@ -68,12 +68,32 @@ def pooling_type(meta: dict, arch: str) -> str:
     return POOLING[int(v)]
 
 
+# A layer's router and shared expert run where its experts do (one crossing per layer).
+_FOLLOWS_EXPERTS = re.compile(r"(blk\.\d+\.)ffn_(gate_inp|gate_inp_shexp|gate_shexp|"
+                              r"up_shexp|down_shexp)\.")
+
+
+def tensor_override(name: str, overrides) -> Any:
+    """The value of the first (regex, value) rule whose pattern is found in the tensor's
+    name, as llama.cpp's ``--override-tensor`` matches; a router or shared expert answers
+    for its layer's ``ffn_gate_exps``. None when no rule matches."""
+    m = _FOLLOWS_EXPERTS.match(name)
+    if m:
+        name = m.group(1) + "ffn_gate_exps.weight"
+    for pattern, value in overrides:
+        if re.search(pattern, name):
+            return value
+    return None
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Which backend holds what: the token embedding, each decoder layer, the output head."""
+    """Which backend holds what: the token embedding, each decoder layer, the output head,
+    and tensors named by override rules ((regex, Backend), e.g. experts kept on the CPU)."""
     embed: Backend
     layers: tuple[Backend, ...]
     head: Backend
+    overrides: tuple = ()
 
     @classmethod
     def single(cls, backend: Backend, n_layers: int) -> "Placement":
@@ -83,7 +103,7 @@ class Placement:
     def backends(self) -> list[Backend]:
         """Each distinct backend once, in placement order."""
         out = []
-        for be in (self.embed, *self.layers, self.head):
+        for be in (self.embed, *self.layers, self.head, *(b for _, b in self.overrides)):
             if all(be is not b for b in out):
                 out.append(be)
         return out
@@ -124,6 +144,9 @@ class WeightLoader:
 
     def backend_for(self, name: str) -> Backend:
         """The backend a tensor goes to."""
+        be = tensor_override(name, self.placement.overrides)
+        if be is not None:
+            return be
         m = _LAYER_TENSOR.match(name)
         if m:
             i = int(m.group(1))
@@ -182,6 +205,23 @@ class WeightLoader:
                                         table[start:start + n].reshape(-1), n, K, done))
             start += n
         return out
+
+    def experts(self, name: str, n_experts: int, N: int, K: int):
+        """A GGUF 3-D stack of expert matrices (n_experts of N out, K in), uploaded with
+        ``upload_experts`` to its layer's backend."""
+        info = self._info(name, (n_experts, N, K))
+        be = self.backend_for(name)
+        done = None
+        if be.copies_weights:
+            done = lambda a, b: self.file.release(name, a, b)  # noqa: E731
+        return be.upload_experts(name, info.type_name, self.file.raw(name), n_experts, N, K,
+                                 done)
+
+    def row_matrix(self, name: str, K: int):
+        """A 1-D tensor of K weights used as a (1, K) matrix (a shared expert's gate)."""
+        info = self._info(name, (K,))
+        be = self.backend_for(name)
+        return be.upload_matrix(name, info.type_name, self.file.raw(name), 1, K)
 
     def vector(self, name: str, n: int):
         """A float 1-D tensor (norm weight or bias) as float32, on its backend."""

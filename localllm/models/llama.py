@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from localllm.backends.base import RopeSpec
 from localllm.kernels.kvpages import key_balance
 
+from . import moe
 from .block import BlockSpec, BlockWeights
 from .common import ModelError, WeightLoader, meta_float, meta_get, meta_int
 from .net import Net, PlacedLayer
@@ -34,6 +35,10 @@ class ModelArgs:
     rope_scale: float
     context_length: int
     rope_attn_factor: float = 1.0   # multiplies rotated q and k (LongRoPE's attention factor)
+    n_experts: int = 0              # mixture-of-experts layers (models/moe.py); 0: dense
+    n_experts_used: int = 0
+    expert_hidden_dim: int = 0      # each expert's FFN width
+    shared_hidden_dim: int = 0      # the shared expert's (Qwen2-MoE)
 
     # rope scaling types ({arch}.rope.scaling.type) this architecture runs
     rope_scalings = ("none", "linear")
@@ -78,6 +83,7 @@ class ModelArgs:
             rope_scale=1.0 / factor if factor > 0 else 1.0,
             context_length=meta_int(meta, p + "context_length", 2048),
             rope_attn_factor=meta_float(meta, p + "rope.scaling.attn_factor", 1.0),
+            **moe.args_from_gguf(meta, arch),
         )
         args.check()
         return args
@@ -100,6 +106,7 @@ class ModelArgs:
         if not self.rope_attn_factor > 0:
             raise ModelError(f"metadata '{self.arch}.rope.scaling.attn_factor' must be "
                              f"positive, got {self.rope_attn_factor}")
+        moe.check_args(self)
         if not 0 <= self.n_rot <= self.head_dim or self.n_rot % 2:
             raise ModelError(f"metadata '{self.arch}.rope.dimension_count' ({self.n_rot}) must be "
                              f"even and at most the head size {self.head_dim}")
@@ -134,9 +141,18 @@ def load_block(w: WeightLoader, i: int, a: ModelArgs) -> BlockWeights:
         **load_qkv(w, i, a),
         wo=w.matrix(p + "attn_output.weight", a.dim, qd),
         ffn_norm=w.vector(p + "ffn_norm.weight", a.dim),
-        w_gate=w.matrix(p + "ffn_gate.weight", a.hidden_dim, a.dim),
-        w_up=w.matrix(p + "ffn_up.weight", a.hidden_dim, a.dim),
-        w_down=w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim))
+        **load_ffn(w, i, a))
+
+
+def load_ffn(w: WeightLoader, i: int, a: ModelArgs) -> dict:
+    """Layer i's feed-forward as BlockWeights fields: a dense SwiGLU, or the experts when
+    the file has ``ffn_*_exps`` tensors for the layer."""
+    p = f"blk.{i}."
+    if moe.has_experts(w, i):
+        return {"w_gate": None, "w_up": None, "w_down": None, "moe": moe.load(w, i, a)}
+    return {"w_gate": w.matrix(p + "ffn_gate.weight", a.hidden_dim, a.dim),
+            "w_up": w.matrix(p + "ffn_up.weight", a.hidden_dim, a.dim),
+            "w_down": w.matrix(p + "ffn_down.weight", a.dim, a.hidden_dim)}
 
 
 class Model(Net):
@@ -144,6 +160,7 @@ class Model(Net):
 
     rope_neox = False   # GGUF llama weights are permuted for adjacent-pair rotation
     activation = "silu"
+    moe_norm = True     # renormalise the chosen experts' weights (Mixtral does)
 
     def __init__(self, args: ModelArgs, w: WeightLoader, ctx: int = 0):
         """Args: args: the file's ModelArgs; w: its tensors; ctx: the context size the model
@@ -154,9 +171,13 @@ class Model(Net):
         a = args
         self.rope = self.load_rope(w, ctx or a.context_length)
         self.tok_embd = w.embedding("token_embd.weight", a.vocab_size, a.dim)
-        self.layers = [PlacedLayer(i, w.placement.layers[i], self.load_block(w, i),
-                                   self.balanced(w, i, self.block_spec(i)))
-                       for i in range(a.n_layers)]
+        self.layers = []
+        for i in range(a.n_layers):
+            weights = self.load_block(w, i)
+            spec = self.balanced(w, i, self.block_spec(i))
+            if weights.moe is not None:
+                spec = replace(spec, moe=moe.spec(a, self.moe_norm, self.activation))
+            self.layers.append(PlacedLayer(i, w.placement.layers[i], weights, spec))
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
         self.output = w.matrix(name, a.vocab_size, a.dim, head=True)

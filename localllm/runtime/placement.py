@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.backends.base import Backend, KVLayout
-from localllm.models.common import Placement
+from localllm.models.common import Placement, tensor_override
 from localllm.errors import BadSetting, NotEnoughMemory
 
 BACKENDS = ("auto", "cpu", "torch", "mlx")
@@ -40,6 +40,48 @@ def parse_gpu_layers(value: Any) -> int | str:
         return int(text)
     raise BadSetting(f"--gpu-layers must be a number of layers, 'auto' or 'all', got {value!r}",
                      param="gpu_layers")
+
+
+# An expert stack's name, as llama.cpp's --cpu-moe and --n-cpu-moe match it.
+EXPERTS = r"\.ffn_(up|down|gate)_exps"
+_GPU_NAMES = re.compile(r"(gpu|cuda\d*|metal|mtl\d*|torch|mlx)", re.IGNORECASE)
+
+
+def tensor_rules(override_tensor=(), cpu_moe: bool = False, n_cpu_moe: int = 0) -> tuple:
+    """The tensor placement rules, (regex, 'cpu' or 'gpu') in the order they are tried:
+    ``-ot REGEX=BACKEND`` values first (each may hold several, comma-separated, as
+    llama.cpp's), then ``--cpu-moe`` (every expert stack on the CPU) and ``--n-cpu-moe N``
+    (the experts of layers 0..N-1).
+
+    Raises:
+        BadSetting: a rule without '=', a bad regex, an unknown backend or a negative N.
+    """
+    rules = []
+    for value in override_tensor:
+        for item in str(value).split(","):
+            pattern, sep, dev = item.strip().rpartition("=")
+            if not sep or not pattern:
+                raise BadSetting(f"--override-tensor takes REGEX=BACKEND, got {item!r}",
+                                 param="override_tensor")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise BadSetting(f"--override-tensor: {pattern!r} is not a regular expression "
+                                 f"({e})", param="override_tensor") from None
+            if dev.strip().lower() == "cpu":
+                rules.append((pattern, "cpu"))
+            elif _GPU_NAMES.fullmatch(dev.strip()):
+                rules.append((pattern, "gpu"))
+            else:
+                raise BadSetting(f"--override-tensor: unknown backend {dev!r} (CPU, or the GPU "
+                                 "as GPU, CUDA0, Metal, torch or mlx)", param="override_tensor")
+    if cpu_moe:
+        rules.append((EXPERTS, "cpu"))
+    if isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int) or n_cpu_moe < 0:
+        raise BadSetting(f"--n-cpu-moe must be a number of layers >= 0, got {n_cpu_moe!r}",
+                         param="n_cpu_moe")
+    rules += [(rf"blk\.{i}{EXPERTS}", "cpu") for i in range(n_cpu_moe)]
+    return tuple(rules)
 
 
 def _nvidia_present() -> bool:
@@ -101,6 +143,7 @@ class DevicePlan:
     kv_per_token: int = 0       # KV bytes per token over its layers
     scratch_bytes: int = 0      # activations of one batch, logits, dequantization scratch
     largest: int = 0            # elements of its largest matrix
+    expert_bytes: int = 0       # of weight_bytes, the experts' (ffn_*_exps)
 
     @property
     def label(self) -> str:
@@ -118,6 +161,7 @@ class MemoryPlan:
     v_type: str
     devices: list             # DevicePlan, the CPU's first
     free: dict                # pool -> free bytes when planned
+    rules: tuple = ()         # tensor placement rules (tensor_rules)
 
     def kv_bytes(self, d: DevicePlan) -> int:
         return self.pool_tokens * d.kv_per_token
@@ -135,7 +179,9 @@ class MemoryPlan:
                 layers[i] = d.backend
             if d.head:
                 head = d.backend
-        return Placement(cpu, tuple(layers), head)
+        kinds = {"cpu": cpu, "gpu": self.devices[-1].backend}
+        return Placement(cpu, tuple(layers), head,
+                         tuple((pattern, kinds[kind]) for pattern, kind in self.rules))
 
     def summary(self) -> str:
         """Where the layers run in a few words: 'cpu', or e.g. 'torch (cuda:0) 20/30 layers
@@ -143,6 +189,10 @@ class MemoryPlan:
         if self.gpu_layers == 0:
             return "cpu"
         rest = " + cpu" if self.gpu_layers < self.n_layers else ""
+        if self.devices[0].expert_bytes and self.devices[-1].expert_bytes == 0:
+            rest = " + experts on cpu"
+        elif self.devices[0].expert_bytes and self.gpu_layers == self.n_layers:
+            rest = " + some experts on cpu"
         return f"{self.devices[1].label} {self.gpu_layers}/{self.n_layers} layers{rest}"
 
     def format(self) -> str:
@@ -152,11 +202,12 @@ class MemoryPlan:
         lines = [f"memory plan: {self.gpu_layers}/{self.n_layers} layers on the GPU ({gpu}), "
                  f"context {self.ctx}, KV {self.k_type}/{self.v_type}, KV pool "
                  f"{self.pool_tokens} tokens",
-                 f"  {'device':22s} {'layers':>12s} {'weights':>11s} {'KV':>11s} "
-                 f"{'scratch':>11s} {'total':>11s} {'free':>11s}"]
+                 f"  {'device':22s} {'layers':>12s} {'weights':>11s} {'experts':>11s} "
+                 f"{'KV':>11s} {'scratch':>11s} {'total':>11s} {'free':>11s}"]
         for d in self.devices:
             span = _span(d.layers) + (" +head" if d.head else "")
             lines.append(f"  {d.label:22s} {span or '-':>12s} {d.weight_bytes / mib:8.1f} MiB "
+                         f"{d.expert_bytes / mib:7.1f} MiB "
                          f"{self.kv_bytes(d) / mib:7.1f} MiB {d.scratch_bytes / mib:7.1f} MiB "
                          f"{self.total(d) / mib:7.1f} MiB "
                          f"{self.free.get(d.pool, 0) / mib:7.0f} MiB")
@@ -180,6 +231,7 @@ class PlanRequest:
     kv_pool_mb: float = 0
     gpu_layers: int | str = "auto"
     kv_contexts: int = POOL_CONTEXTS   # full contexts the default pool aims at, as memory allows
+    rules: tuple = ()                  # tensor placement rules (tensor_rules)
 
 
 def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> list:
@@ -199,7 +251,10 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
     tied = "output.weight" not in tensors
     for name, t in tensors.items():
         m = _LAYER.match(name)
-        if m:
+        kind = tensor_override(name, req.rules)
+        if kind is not None:
+            d = devs[0] if kind == "cpu" or gpu is None else gpu
+        elif m:
             d = devs[1] if gpu is not None and int(m.group(1)) >= first_gpu else devs[0]
         elif name.startswith("output") or (name == "token_embd.weight" and tied):
             d = head
@@ -208,6 +263,12 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
         if len(t.shape) == 2:
             N, K = (int(s) for s in t.shape)
             d.weight_bytes += d.backend.plan_matrix_nbytes(t.type_name, N, K)
+            d.largest = max(d.largest, N * K)
+        elif len(t.shape) == 3:  # a stack of experts, each packed as a matrix
+            E, N, K = (int(s) for s in t.shape)
+            nbytes = E * d.backend.plan_matrix_nbytes(t.type_name, N, K)
+            d.weight_bytes += nbytes
+            d.expert_bytes += nbytes
             d.largest = max(d.largest, N * K)
         else:
             d.weight_bytes += 4 * int(t.n_elements)
@@ -290,7 +351,8 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
                 margin = HOST_MARGIN if pool == host else GPU_MARGIN
                 tokens = min(tokens, (free[pool] - used - margin) // pt)
         tokens = max(req.ctx, tokens)
-    return MemoryPlan(n, n_gpu, req.ctx, tokens, req.k_type, req.v_type, devs, dict(free))
+    return MemoryPlan(n, n_gpu, req.ctx, tokens, req.k_type, req.v_type, devs, dict(free),
+                      tuple((p, "cpu" if gpu is None else k) for p, k in req.rules))
 
 
 def _gpu_fits(devs, ctx, free, host) -> bool:

@@ -57,6 +57,11 @@ class Spec:
     meta: dict = field(default_factory=dict)   # extra {arch}.* keys: name -> (value, type)
     block_gain: float = 0.1          # each block's output against the token embedding
     margin: float = 4.0              # nats by which the designed successor leads (see _head)
+    n_experts: int = 0               # mixture-of-experts FFNs (types "exps", "exps_down")
+    n_used: int = 0                  # experts per token
+    expert_hidden: int = 0           # each expert's width
+    shared_hidden: int = 0           # a shared expert with a sigmoid gate (Qwen2-MoE); 0: none
+    qk_norm_whole: bool = False      # OLMoE's QK-norm over all heads at once
 
 
 PHI3_TYPES = {"attn": "Q8_0", "attn_output": "BF16", "ffn": "F16", "ffn_down": "Q6_K",
@@ -85,6 +90,36 @@ SPECS = {
     "phi3_partial": Spec("phi3", PHI3_TYPES, n_rot=48, fused=True,
                          meta={"attention.sliding_window": (2047, GGUFValueType.UINT32)}),
 }
+# Mixture-of-experts models (kept apart: scripts/make_synthetic.py --moe scores them).
+# Widths of 128 leave K-quants to the matrices that read 256-wide inputs. Blocks weigh more
+# than in the dense models (0.25), so that routing errors show: without the top-k
+# renormalisation Qwen3-MoE's argmax moves at 7% of the positions (at 0.1, at 1%).
+MOE_SPECS = {
+    "qwen3moe": Spec("qwen3moe", {"attn": "Q8_0", "attn_output": "Q4_K", "exps": "Q4_0",
+                                  "exps_down": "Q6_K", "embd": "Q8_0", "output": "F16"},
+                     pre="qwen2", dim=128, n_layers=2, head_dim=64, rope_theta=1000000.0,
+                     context_length=40960, qk_norm=True, n_experts=8, n_used=2, hidden_dim=256,
+                     expert_hidden=256, block_gain=0.25),
+    "qwen2moe": Spec("qwen2moe", {"attn": "Q5_0", "attn_output": "Q5_1", "exps": "Q8_0",
+                                  "exps_down": "Q4_K", "ffn": "Q4_1", "ffn_down": "Q5_K",
+                                  "embd": "Q8_0", "output": "F32"},
+                     pre="qwen2", dim=128, n_layers=2, head_dim=32, rope_theta=1000000.0,
+                     context_length=32768, qkv_bias=True, n_experts=8, n_used=4, hidden_dim=256,
+                     expert_hidden=256, shared_hidden=512, block_gain=0.25),
+    "olmoe": Spec("olmoe", {"attn": "IQ4_NL", "attn_output": "Q8_0", "exps": "Q5_0",
+                            "exps_down": "Q4_K", "embd": "Q5_0", "output": "F16"},
+                  dim=128, n_layers=2, n_kv_heads=4, head_dim=32, qk_norm=True,
+                  qk_norm_whole=True, n_experts=6, n_used=2, expert_hidden=256, hidden_dim=256,
+                  block_gain=0.25),
+    # Mixtral: the llama architecture with experts, top-2 of 8, renormalised
+    "mixtral": Spec("llama", {"attn": "Q4_0", "attn_output": "Q8_0", "exps": "Q4_1",
+                              "exps_down": "Q6_K", "embd": "Q8_0", "output": "F16"},
+                    dim=128, n_layers=2, head_dim=32, rope_theta=1000000.0,
+                    context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256,
+                    block_gain=0.25),
+}
+ALL_SPECS = {**SPECS, **MOE_SPECS}
+
 
 LOGIT_STD = 5.0        # std of the random part of the logits
 EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
@@ -94,6 +129,7 @@ EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
 CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3", 1024),
          "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
          "phi3_partial": ("phi3_partial", 1024)}
+MOE_CASES = {name: (name, 1024) for name in MOE_SPECS}
 
 
 def llama3_freq_factors(n_rot: int, theta: float, factor: float, low_freq_factor: float,
@@ -154,10 +190,36 @@ def _matrices(s: Spec) -> list[tuple[str, str, int, int, float]]:
                     2 * s.block_gain / math.sqrt(qd)))
         ffn_rows = [("ffn_up", 2 * s.hidden_dim)] if s.fused else [
             ("ffn_gate", s.hidden_dim), ("ffn_up", s.hidden_dim)]
+        if s.n_experts:
+            out += _expert_matrices(s, p)
+            continue
         out += [(p + f"{x}.weight", t["ffn"], n, s.dim, unit) for x, n in ffn_rows]
         out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
                     s.block_gain / math.sqrt(s.hidden_dim)))
     return out
+
+
+def _expert_matrices(s: Spec, p: str) -> list[tuple]:
+    """A layer's router (logits of std 2 on unit-rms inputs, so that most tokens have a
+    clear top-k), experts (the N of a stack is experts x rows) and shared expert."""
+    t, unit, F, E = s.types, 1 / math.sqrt(s.dim), s.expert_hidden, s.n_experts
+    out = [(p + "ffn_gate_inp.weight", "F32", E, s.dim, 2 * unit)]
+    out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, unit) for x in ("gate", "up")]
+    out.append((p + "ffn_down_exps.weight", t["exps_down"], E * s.dim, F,
+                s.block_gain / math.sqrt(F)))
+    if s.shared_hidden:
+        S = s.shared_hidden
+        out += [(p + f"ffn_{x}_shexp.weight", t["ffn"], S, s.dim, unit) for x in ("gate", "up")]
+        out.append((p + "ffn_down_shexp.weight", t["ffn_down"], s.dim, S,
+                    s.block_gain / math.sqrt(S)))
+    return out
+
+
+def _stack_shape(s: Spec, tname: str) -> tuple | None:
+    """(experts, rows) of a stacked expert tensor, None for a matrix."""
+    if "_exps." not in tname:
+        return None
+    return s.n_experts, (s.dim if "down" in tname else s.expert_hidden)
 
 
 def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
@@ -173,8 +235,12 @@ def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
                     for x, n in (("q", qd), ("k", kvd), ("v", kvd))]
         if s.qk_norm:
             # (QK-norm leaves unit-rms heads: larger weights keep attention selective)
-            out += [(p + "attn_q_norm.weight", 2 * norm(s.head_dim)),
-                    (p + "attn_k_norm.weight", 2 * norm(s.head_dim))]
+            qn, kn = (qd, kvd) if s.qk_norm_whole else (s.head_dim, s.head_dim)
+            out += [(p + "attn_q_norm.weight", 2 * norm(qn)),
+                    (p + "attn_k_norm.weight", 2 * norm(kn))]
+        if s.shared_hidden:  # the shared expert's gate: logits of std 1
+            out.append((p + "ffn_gate_inp_shexp.weight",
+                        (rng.standard_normal(s.dim) / math.sqrt(s.dim)).astype(np.float32)))
     out.append(("output_norm.weight", norm(s.dim)))
     if s.rope_freqs:
         out.append(("rope_freqs.weight", llama3_freq_factors(n_rot, s.rope_theta,
@@ -238,7 +304,7 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
     Returns:
         The path written.
     """
-    s = replace(SPECS[name], **changes)
+    s = replace(ALL_SPECS[name], **changes)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
     w = GGUFWriter(str(path), s.arch)
@@ -256,6 +322,13 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
     w.add_key_value(a + "attention.layer_norm_rms_epsilon", 1e-6, GGUFValueType.FLOAT32)
     for k, (v, vt) in s.meta.items():
         w.add_key_value(a + k, v, vt)
+    if s.n_experts:
+        moe = {"expert_count": s.n_experts, "expert_used_count": s.n_used,
+               "expert_feed_forward_length": s.expert_hidden}
+        if s.shared_hidden:
+            moe["expert_shared_feed_forward_length"] = s.shared_hidden
+        for k, v in moe.items():
+            w.add_key_value(a + k, v, GGUFValueType.UINT32)
     for k, v in tokenizer_meta.items():
         if k.startswith("tokenizer."):
             if k == "tokenizer.ggml.pre" and s.pre is not None:
@@ -264,6 +337,9 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
             w.add_key_value(k, list(v) if isinstance(v, np.ndarray) else v, vt, sub)
     for tname, type_name, N, K, std in _matrices(s):
         raw = _scaled(type_name, N or vocab, K, std, rng)
+        stack = _stack_shape(s, tname)
+        if stack is not None:
+            raw = raw.reshape(*stack, -1)
         if tname not in drop:
             w.add_tensor(tname, raw, raw_dtype=GGMLQuantizationType[type_name])
         if tname == "token_embd.weight":

@@ -1,0 +1,123 @@
+"""The CPU backend's mixture-of-experts FFN: the router, then each expert that some token of
+the chunk chose, run once over those tokens with the ordinary matmul kernels on the expert's
+own packed blocks, and the weighted sum per token in rank order (kernels/moe.py).
+
+A decode step reads only its top-k experts; a prompt chunk reads each chosen expert once.
+The matmul kernels compute every row on its own, so grouping tokens by expert leaves each
+token's result as it would be alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from localllm.formats.quants import row_nbytes
+from localllm.kernels import matmul as mm
+from localllm.kernels import moe as moe_k
+from localllm.kernels import ops
+
+_NO_SHARED = np.zeros((0, 0), np.float32)
+_NO_GATE = np.zeros(0, np.float32)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A layer's stack of expert matrices, one packed Weight each."""
+    type_name: str
+    N: int
+    K: int
+    parts: tuple   # of matmul.Weight, by expert id
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.parts)
+
+
+def pack_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int,
+                 done=None) -> Experts:
+    """Repack a GGUF 3-D expert tensor (n_experts x N rows of K) expert by expert.
+
+    Args:
+        type_name: GGML type; raw: the tensor's bytes; n_experts, N, K: its shape.
+        done: optional callback(start, end) for byte ranges of raw already consumed.
+    Returns:
+        Experts.
+    """
+    per = N * row_nbytes(type_name, K)
+    raw = raw.reshape(-1)
+    if raw.size != n_experts * per:
+        raise ValueError(f"experts: {raw.size} bytes for {n_experts} x ({N}, {K}) {type_name}")
+    parts = []
+    for e in range(n_experts):
+        sub = None
+        if done is not None:
+            sub = lambda a, b, base=e * per: done(base + a, base + b)  # noqa: E731
+        parts.append(mm.pack(type_name, raw[e * per:(e + 1) * per], N, K, sub))
+    return Experts(type_name, N, K, tuple(parts))
+
+
+def _quantize_for(x: np.ndarray, weights) -> mm.QuantActivations:
+    kinds = {mm.needs(w) for w in weights}
+    return mm.quantize(x, need32="q32" in kinds, need256="q256" in kinds)
+
+
+def _rows(act: mm.QuantActivations, rows: np.ndarray) -> mm.QuantActivations:
+    """The given rows of quantized activations (each row is quantized on its own)."""
+    def pick(parts):
+        return None if parts is None else tuple(np.ascontiguousarray(a[rows]) for a in parts)
+    return mm.QuantActivations(np.ascontiguousarray(act.x[rows]), pick(act.q32), pick(act.q256))
+
+
+def _swiglu(act: mm.QuantActivations, gate: mm.Weight, up: mm.Weight, down: mm.Weight,
+            gelu: bool) -> np.ndarray:
+    g, u = mm.matmul(gate, act), mm.matmul(up, act)
+    a = np.empty_like(g)
+    ops.glu(g, u, a, gelu)
+    return mm.matmul(down, _quantize_for(a, [down]))
+
+
+def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
+    """The backend's ``moe_ffn`` (see backends/base.py) on numpy arrays.
+
+    Args:
+        x: float32 (n, dim) normed hidden states; w: MoEWeights of packed Weights and
+            Experts; spec: MoESpec.
+    Returns:
+        float32 (n, dim).
+    """
+    if spec.activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {spec.activation}")
+    gelu = spec.activation == "gelu_tanh"
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, dim = x.shape
+    k = spec.n_used
+    gates = [w.router, w.gate.parts[0], w.up.parts[0]]
+    if w.shared_up is not None:
+        gates += [w.shared_gate, w.shared_up]
+    if w.shared_gate_inp is not None:
+        gates.append(w.shared_gate_inp)
+    act = _quantize_for(x, gates)
+    logits = mm.matmul(w.router, act)
+    ids = np.empty((n, k), np.int32)
+    weights = np.empty((n, k), np.float32)
+    moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
+                ids, weights)
+    # (token, slot) pairs grouped by expert, tokens ascending within each
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(spec.n_experts + 1))
+    y = np.empty((n * k, dim), np.float32)
+    for e in np.flatnonzero(np.diff(bounds)):
+        pairs = order[bounds[e]:bounds[e + 1]]
+        y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
+                           w.down.parts[e], gelu)
+    shared, shared_gate = _NO_SHARED, _NO_GATE
+    if w.shared_up is not None:
+        shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, gelu)
+        if w.shared_gate_inp is not None:
+            shared_gate = np.ascontiguousarray(mm.matmul(w.shared_gate_inp, act)[:, 0])
+    out = np.empty((n, dim), np.float32)
+    moe_k.combine(y, weights, shared, shared_gate, out)
+    return out

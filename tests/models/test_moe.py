@@ -1,0 +1,200 @@
+"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE,
+Mixtral as llama with experts) on small synthetic files, byte for byte the ones
+scripts/make_synthetic.py --moe sent through llama.cpp: logits and greedy continuations
+against llama.cpp's, batch invariance, and the torch and MLX stand-ins against the CPU."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import localllm
+from localllm.testing import synthetic
+from localllm.testing.compare import coarse_kl, log_softmax
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
+KL_MAX = 0.01
+TOP1_MARGIN = 0.015    # below llama.cpp's own token-by-token agreement with its batch
+GREEDY_MIN = 0.95      # share of llama.cpp's greedy tokens we predict, teacher-forced
+DEVICE_TOP1, DEVICE_KL = 0.95, 0.01   # torch and MLX (float activations) against the CPU
+CASES = sorted(synthetic.MOE_CASES)
+
+
+def load_case(case: str) -> dict:
+    with np.load(FIXTURES / f"{case}.npz") as z:
+        fx = {k: z[k] for k in z.files}
+    return {**fx, **json.loads(str(fx.pop("info")))}
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory, metas):
+    d = tmp_path_factory.mktemp("moe")
+    return {name: synthetic.write(name, d / f"{name}.gguf", metas["smollm"])
+            for name in synthetic.MOE_SPECS}
+
+
+@pytest.fixture(scope="module")
+def moe_models(moe_files):
+    models = {}
+    yield lambda name: models.setdefault(name, localllm.load(
+        moe_files[name], ctx_size=1024, threads=2, weight_cache=False))
+    for m in models.values():
+        m.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_file_is_the_one_llama_cpp_scored(moe_files, case):
+    fx = load_case(case)
+    assert synthetic.digest(moe_files[fx["model"]]) == fx["digest"], (
+        "the synthetic model differs from the one the fixture was made on: "
+        "rerun scripts/make_synthetic.py --reference PYTHON --moe")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_agree_with_llama_cpp(moe_models, case):
+    fx = load_case(case)
+    m = moe_models(fx["model"])
+    assert m.tokenize(fx["passage"]) == fx["ids"].tolist()
+    lp = log_softmax(m.logits(fx["ids"].tolist()))
+    kl = coarse_kl(fx, lp)
+    top1 = float((lp.argmax(1) == fx["argmax"]).mean())
+    print(f"{case}: {len(lp)} positions, top-1 {top1:.4f}, mean KL {kl.mean():.2e} "
+          f"(llama.cpp token by token against its batch: top-1 {fx['self']['top1']:.4f}, "
+          f"KL {fx['self']['kl_mean']:.2e})")
+    assert top1 >= fx["self"]["top1"] - TOP1_MARGIN
+    assert kl.mean() <= KL_MAX
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_continuations_agree_with_llama_cpp(moe_models, case):
+    fx = load_case(case)
+    m = moe_models(fx["model"])
+    hits = total = same = 0
+    for g in fx["greedy"]:
+        cont = g["continuation"]
+        # llama.cpp's greedy text teacher-forced, as tests/models/test_engine.py scores it
+        seq = g["prompt_ids"] + cont
+        pred = m.logits(seq)[len(g["prompt_ids"]) - 1:len(seq) - 1].argmax(1)
+        hits += int((pred == np.array(cont)).sum())
+        total += len(cont)
+        free = [t for c in m.generate(g["prompt_ids"], temperature=0, max_tokens=len(cont),
+                                      ignore_eos=True) for t in c.tokens]
+        same += free == cont
+    print(f"{case}: greedy tokens predicted {hits}/{total}, free-running continuations "
+          f"identical {same}/{len(fx['greedy'])}")
+    assert hits / total >= GREEDY_MIN
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "mixtral"])
+def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name):
+    """A token's experts see the same rows whichever other tokens share them."""
+    m = moe_models(name)
+    ids = load_case(name)["ids"][:64].tolist()
+    whole = m.logits(ids)
+    for sizes in ([1] * len(ids), [5, 17, 1, 9, 32]):
+        seq = m.new_sequence()
+        parts, pos = [], 0
+        for size in sizes:
+            parts.append(seq.feed(ids[pos:pos + size], all_logits=True))
+            pos += size
+        seq.release()
+        chunked = np.concatenate(parts)
+        assert np.array_equal(chunked.view(np.uint32), whole.view(np.uint32)), sizes[:5]
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+@pytest.mark.parametrize("name", ["qwen2moe", "olmoe"])
+def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name):
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+    ids = load_case(name)["ids"].tolist()
+    want = log_softmax(moe_models(name).logits(ids))
+    m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
+                      backend=backend, gpu_layers="all")
+    try:
+        assert all(la.backend is m.gpu_backend for la in m.net.layers)
+        got = log_softmax(m.logits(ids))
+    finally:
+        m.close()
+    top1 = float((got.argmax(1) == want.argmax(1)).mean())
+    kl = (np.exp(want) * (want - got)).sum(1)
+    print(f"{name} on {backend}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
+    assert top1 >= DEVICE_TOP1
+    assert kl.mean() <= DEVICE_KL
+
+
+# ---------------------------------------------------------------------------- the split
+
+SPLITS = [("torch", {"cpu_moe": True}), ("torch", {"n_cpu_moe": 1}),
+          ("mlx", {"cpu_moe": True}), ("torch", {"override_tensor": ("blk\\.1\\.ffn_.*_exps=CPU",)})]
+
+
+@pytest.mark.parametrize("backend, split", SPLITS)
+def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_models, backend,
+                                                            split):
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+    name = "qwen2moe"
+    ids = load_case(name)["ids"].tolist()
+    want = log_softmax(moe_models(name).logits(ids))
+    m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
+                      backend=backend, gpu_layers="all", **split)
+    try:
+        if "cpu_moe" in split:
+            cpu_layers = {0, 1}
+        elif "n_cpu_moe" in split:
+            cpu_layers = set(range(split["n_cpu_moe"]))
+        else:
+            cpu_layers = {1}
+        for la in m.net.layers:
+            assert la.backend is m.gpu_backend  # attention and norms on the GPU backend
+            home = la.weights.moe.backend
+            assert (home is not None and home.name == "cpu") == (la.index in cpu_layers)
+        # the ledger's expert bytes per device are what the backends hold
+        for d in m.plan.devices:
+            held = sum(d.backend.matrix_nbytes(x) for la in m.net.layers
+                       for x in (la.weights.moe.gate, la.weights.moe.up, la.weights.moe.down)
+                       if (la.weights.moe.backend or la.backend) is d.backend)
+            assert abs(d.expert_bytes - held) <= 0.05 * max(held, 1), (d.label, d.expert_bytes)
+        got = log_softmax(m.logits(ids))
+    finally:
+        m.close()
+    top1 = float((got.argmax(1) == want.argmax(1)).mean())
+    kl = (np.exp(want) * (want - got)).sum(1)
+    print(f"{name} on {backend} with {split}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
+    assert top1 >= DEVICE_TOP1
+    assert kl.mean() <= DEVICE_KL
+
+
+def test_llm_inspect_plan_lists_expert_bytes_per_device(moe_files):
+    pytest.importorskip("torch")
+    from support.cli import llm
+    r = llm("inspect", str(moe_files["mixtral"]), "--plan", "--backend", "torch", "-ngl", "all",
+            "--n-cpu-moe", "1")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()
+            if line.strip().startswith(("cpu", "torch"))}
+    assert "experts" in r.stdout
+    experts = {k: float(v[v.index("MiB") + 1]) for k, v in rows.items()}
+    assert experts["cpu"] > 0 and experts["torch"] > 0   # one layer's experts each
+
+
+def test_tensor_rules_read_as_llama_cpps_options():
+    from localllm.errors import BadSetting
+    from localllm.models.common import tensor_override
+    from localllm.runtime.placement import EXPERTS, tensor_rules
+    rules = tensor_rules(("ffn_up_exps=CPU,attn=cuda0", "blk\\.7\\.=GPU"), True, 2)
+    assert rules == (("ffn_up_exps", "cpu"), ("attn", "gpu"), ("blk\\.7\\.", "gpu"),
+                     (EXPERTS, "cpu"), ("blk\\.0" + EXPERTS, "cpu"),
+                     ("blk\\.1" + EXPERTS, "cpu"))
+    # the first matching rule wins; a router and a shared expert go where their experts go
+    assert tensor_override("blk.7.ffn_up_exps.weight", rules) == "cpu"
+    assert tensor_override("blk.7.attn_q.weight", rules) == "gpu"
+    assert tensor_override("blk.1.ffn_gate_inp.weight", rules) == "cpu"
+    assert tensor_override("blk.1.ffn_down_shexp.weight", rules) == "cpu"
+    assert tensor_override("blk.2.ffn_norm.weight", rules) is None
+    for bad, needle in ((("exps",), "REGEX=BACKEND"), (("(=CPU",), "not a regular expression"),
+                        (("exps=TPU",), "unknown backend")):
+        with pytest.raises(BadSetting, match=needle):
+            tensor_rules(bad)
+    with pytest.raises(BadSetting, match="--n-cpu-moe"):
+        tensor_rules((), False, -1)
