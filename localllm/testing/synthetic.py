@@ -124,6 +124,10 @@ def _scaled(type_name: str, N: int, K: int, std: float, rng: np.random.Generator
                              type_name)
     # quantized: every value is linear in the f16 scale fields of its block
     blocks = raw.reshape(-1, quants.type_size(type_name))
+    if type_name == "MXFP4":  # a power-of-two scale: c rounded to the nearest power of two
+        e = blocks[:, 0].astype(np.int64) + int(np.rint(np.log2(c)))
+        blocks[:, 0] = np.clip(e, 0, 254).astype(np.uint8)
+        return raw
     for off in f16_fields(type_name).values():
         d = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * np.float32(c)
         blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8)

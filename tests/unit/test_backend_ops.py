@@ -62,6 +62,30 @@ def test_mlx_exact_mappings_round_trip_bit_for_bit(fmt):
         assert not np.array_equal(np.array(half.astype(mx.float32)), ref)
 
 
+def test_mlx_mxfp4_mode_round_trips_bit_for_bit():
+    """MXFP4 goes into MLX's own mxfp4 mode unchanged: the same codes and E8M0 bytes."""
+    mx = pytest.importorskip("mlx.core")
+    from localllm.backends.mlx import convert, dequantize as mlx_dequantize
+    N, K = 40, 1024
+    raw = random_weight("MXFP4", N, K, np.random.default_rng(2))
+    blocks = raw.reshape(-1, 17)
+    # Every E8M0 byte but 255 (MLX reads it as inf, ggml as 2**127; no quantizer writes it:
+    # it needs a block maximum of 2**130), the subnormal scales 0 and 1 included.
+    blocks[:, 0] = np.arange(blocks.shape[0]) % 255
+    w = convert(raw, "MXFP4", N, K)
+    assert w.mode == "mxfp4" and w.biases is None and w.scales.dtype == mx.uint8
+    ref = dequantize(raw, "MXFP4", (N, K))
+    with np.errstate(over="ignore"):
+        got = np.array(mlx_dequantize(w))
+    # Bit for bit, but for the sign of zero: MLX reads code 8 as -0.0, ggml as +0.0 (the
+    # same in every product and sum).
+    nonzero = ref != 0
+    np.testing.assert_array_equal(got[nonzero].view(np.uint32), ref[nonzero].view(np.uint32))
+    assert (got[~nonzero] == 0).all() and nonzero.mean() > 0.8
+    rows = mx.array(np.array([3, 0, 39], np.int32))
+    np.testing.assert_array_equal(np.array(mlx_dequantize(w, rows)), ref[[3, 0, 39]])
+
+
 # ---------------------------------------------------------------------------- ops
 
 @pytest.mark.parametrize("fmt", FORMATS)
