@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "synthetic"
 
 
-def write_models(out: Path) -> dict:
-    """Write every synthetic model into ``out``; returns the cases to score (also written
-    as out/cases.json for the --score step)."""
+def write_models(out: Path, only: list | None = None) -> dict:
+    """Write the synthetic models into ``out`` (those of the cases ``only``, or all);
+    returns the cases to score (also written as out/cases.json for the --score step)."""
     from localllm.testing import synthetic
     from make_fixtures import model_path
     from localllm.formats.gguf import GGUFFile
@@ -35,14 +35,15 @@ def write_models(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     src = GGUFFile(model_path("smollm"))
     digests = {}
-    for name in synthetic.SPECS:
+    wanted = synthetic.CASES if not only else {c: synthetic.CASES[c] for c in only}
+    for name in sorted({m for m, _ in wanted.values()}):
         path = synthetic.write(name, out / f"{name}.gguf", src.metadata)
         digests[name] = synthetic.digest(path)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     src.close()
     cases = {case: {"model": model, "n_ctx": n_ctx, "digest": digests[model],
                     "file": str(out / f"{model}.gguf")}
-             for case, (model, n_ctx) in synthetic.CASES.items()}
+             for case, (model, n_ctx) in wanted.items()}
     (out / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -90,12 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", type=Path, required=True, help="where the GGUF files go")
     ap.add_argument("--reference", metavar="PYTHON",
                     help="an interpreter with llama-cpp-python: also write the fixtures")
+    ap.add_argument("--cases", nargs="+", metavar="CASE",
+                    help="only these cases (default: all of synthetic.CASES)")
     ap.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.score:
         score(args.dir)
         return 0
-    write_models(args.dir)
+    write_models(args.dir, args.cases)
     if args.reference:
         return subprocess.call([args.reference, __file__, "--dir", str(args.dir), "--score"])
     return 0
