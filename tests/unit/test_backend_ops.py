@@ -140,6 +140,22 @@ def test_rope(be, cpu, neox, n_rot):
           run(be, lambda b, x: b.rope(x, H, pos, spec), x), want, TOL_FLOAT_OP)
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_yarn(be, cpu, neox):
+    from localllm.kernels.ops import yarn_corr_dims, yarn_mscale
+    rng = np.random.default_rng(6)
+    H, hd = 3, 64
+    low, high = yarn_corr_dims(hd, 1024, 10000.0)
+    spec = RopeSpec(hd, 10000.0, neox, 0.25, None, yarn_mscale(4.0), (1.0, low, high))
+    x = rnd(rng, 6, H * hd)
+    pos = np.array([0, 1, 2, 300, 301, 5000])
+    want = cpu.rope(x.copy(), H, pos, spec)
+    linear = cpu.rope(x.copy(), H, pos, RopeSpec(hd, 10000.0, neox, 0.25, None, spec.mscale))
+    assert not np.allclose(want, linear)
+    check(f"{be.name} rope yarn neox={neox}", run(be, lambda b, x: b.rope(x, H, pos, spec), x),
+          want, TOL_FLOAT_OP)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_glu(be, cpu, act):
     rng = np.random.default_rng(7)
