@@ -4,7 +4,6 @@ for tool_choice required / named, and the split of the output into calls."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from localllm.text.tool_calls import (GENERIC, ToolCall, ToolCallError, ToolFormat,
