@@ -104,7 +104,7 @@ def test_linear(be, cpu, fmt, n):
     assert be.matrix_nbytes(w) == be.plan_matrix_nbytes(fmt, N, K)
 
 
-@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_K", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_K", "Q4_1", "MXFP4"])
 def test_embed(be, cpu, fmt):
     rng = np.random.default_rng(4)
     vocab, dim = 64, 256
