@@ -27,8 +27,9 @@ FIXTURES = ROOT / "tests" / "fixtures" / "synthetic"
 GREEDY_PROMPTS = 6  # llama.cpp's greedy continuations of the first prompts, 32 tokens each
 
 
-def write_models(out: Path, moe: bool = False) -> dict:
-    """Write every synthetic model into ``out`` (``moe``: the mixture-of-experts ones);
+def write_models(out: Path, moe: bool = False, only: list | None = None) -> dict:
+    """Write the synthetic models into ``out`` (``moe``: the mixture-of-experts ones; of
+    those, the cases ``only``, or all);
     returns the cases to score (also written as out/cases.json for the --score step)."""
     from localllm.testing import synthetic
     from make_fixtures import model_path
@@ -37,16 +38,16 @@ def write_models(out: Path, moe: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     src = GGUFFile(model_path("smollm"))
     digests = {}
-    specs, case_table = ((synthetic.MOE_SPECS, synthetic.MOE_CASES) if moe
-                         else (synthetic.SPECS, synthetic.CASES))
-    for name in specs:
+    table = synthetic.MOE_CASES if moe else synthetic.CASES
+    wanted = table if not only else {c: table[c] for c in only}
+    for name in sorted({m for m, _ in wanted.values()}):
         path = synthetic.write(name, out / f"{name}.gguf", src.metadata)
         digests[name] = synthetic.digest(path)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     src.close()
     cases = {case: {"model": model, "n_ctx": n_ctx, "digest": digests[model],
                     "file": str(out / f"{model}.gguf")}
-             for case, (model, n_ctx) in case_table.items()}
+             for case, (model, n_ctx) in wanted.items()}
     (out / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -106,12 +107,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", metavar="PYTHON",
                     help="an interpreter with llama-cpp-python: also write the fixtures")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts models")
+    ap.add_argument("--cases", nargs="+", metavar="CASE",
+                    help="only these cases (default: all of synthetic.CASES, or MOE_CASES)")
     ap.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.score:
         score(args.dir)
         return 0
-    write_models(args.dir, args.moe)
+    write_models(args.dir, args.moe, args.cases)
     if args.reference:
         return subprocess.call([args.reference, __file__, "--dir", str(args.dir), "--score"])
     return 0

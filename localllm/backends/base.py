@@ -19,6 +19,7 @@ class RopeSpec:
     pos_scale: float = 1.0     # linear position scaling (1 / factor)
     freq_factors: Any = None   # optional per-frequency divisors (rope_freqs tensor), numpy
     mscale: float = 1.0        # cos and sin multiplied by this ({arch}.rope.scaling.attn_factor)
+    yarn: tuple | None = None  # YaRN's (ext_factor, low, high) blend (kernels.ops.rope_tables)
 
 
 @dataclass(frozen=True)

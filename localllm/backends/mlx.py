@@ -36,12 +36,13 @@ class MlxMatrix:
     scales: mx.array | None
     biases: mx.array | None
     w: mx.array | None = None
+    mode: str = "affine"    # MLX's quantization mode: "affine" or "mxfp4" (no biases)
 
     @property
     def nbytes(self) -> int:
         if self.bits == 0:
             return self.w.nbytes
-        return self.wq.nbytes + self.scales.nbytes + self.biases.nbytes
+        return self.wq.nbytes + self.scales.nbytes + (0 if self.biases is None else self.biases.nbytes)
 
 
 def metal_available() -> bool:
@@ -61,6 +62,9 @@ def convert(raw: np.ndarray, type_name: str, N: int, K: int,
         p = mlx_quant.to_mlx_exact(raw, type_name, N, K)
         return MlxMatrix(type_name, N, K, p.bits, mx.array(p.wq), mx.array(p.scales),
                          mx.array(p.biases))
+    if type_name == mlx_quant.MXFP4:
+        wq, scales = mlx_quant.to_mlx_mxfp4(raw, N, K)
+        return MlxMatrix(type_name, N, K, 4, mx.array(wq), mx.array(scales), None, mode="mxfp4")
     if type_name in mlx_quant.FLOAT:
         dtype = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}[type_name]
         rows = [mx.array(r).astype(dtype) for r in mlx_quant.dequantized_rows(raw, type_name,
@@ -80,9 +84,10 @@ def dequantize(w: MlxMatrix, rows: mx.array | None = None) -> mx.array:
     """The matrix (or some of its rows) as float32, as MLX computes with it."""
     if w.bits == 0:
         return (w.w if rows is None else w.w[rows]).astype(mx.float32)
-    wq, s, b = (w.wq, w.scales, w.biases) if rows is None else (w.wq[rows], w.scales[rows],
-                                                                 w.biases[rows])
-    return mx.dequantize(wq, s, b, group_size=mlx_quant.GROUP, bits=w.bits)
+    wq, s, b = (w.wq, w.scales, w.biases) if rows is None else (
+        w.wq[rows], w.scales[rows], None if w.biases is None else w.biases[rows])
+    return mx.dequantize(wq, s, b, group_size=mlx_quant.GROUP, bits=w.bits, mode=w.mode,
+                         dtype=mx.float32)
 
 
 class MlxBackend(DeviceBackend):
@@ -201,7 +206,7 @@ class MlxBackend(DeviceBackend):
                 y = x @ w.w.astype(mx.float32).T
             else:
                 y = mx.quantized_matmul(x, w.wq, w.scales, w.biases, transpose=True,
-                                        group_size=mlx_quant.GROUP, bits=w.bits)
+                                        group_size=mlx_quant.GROUP, bits=w.bits, mode=w.mode)
             if biases is not None and biases[i] is not None:
                 y = y + biases[i]
             outs.append(y)

@@ -7,6 +7,9 @@ Exact (the MLX dequantization equals localllm.formats.dequant bit for bit), with
   Q4_K, Q5_K     q (32-element sub-blocks),  s = d * sc,  b = -(dmin * m)
 Every product is exact in float32 (an f16 d has 11 significant bits, sc 6 and q at most 8),
 so only the final sum rounds, as in the reference. float16 scales could not hold d * sc.
+MXFP4 maps exactly onto MLX's own "mxfp4" mode: the same E2M1 codes in element order and
+the E8M0 byte as the group scale (MLX reads 2**(e - 127) times the E2M1 value, ggml
+2**(e - 128) times the doubled value): no biases.
 Q6_K, Q3_K and Q2_K (16-element sub-blocks, below MLX's smallest group of 32) and the IQ4
 formats (non-uniform levels) are dequantized and quantized again by MLX at CONVERT_BITS.
 """
@@ -22,6 +25,7 @@ from localllm.formats.dequant import dequantize
 
 GROUP = 32
 EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+MXFP4 = "MXFP4"  # exact in MLX's mxfp4 mode (to_mlx_mxfp4)
 # The MLX bit width each converted format is quantized to again (scripts/mlx_conversion_kl.py
 # measures what that costs in KL divergence on a real model).
 CONVERT_BITS = {"Q6_K": 8, "Q3_K": 6, "Q2_K": 4, "IQ4_NL": 6, "IQ4_XS": 6}
@@ -109,6 +113,17 @@ def to_mlx_exact(raw: np.ndarray, type_name: str, N: int, K: int) -> Packed:
     return Packed(bits, *(np.concatenate([p[i] for p in parts]) for i in range(3)))
 
 
+def to_mlx_mxfp4(raw: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """An MXFP4 matrix in MLX's mxfp4 form: (uint32 (N, K // 8) packed codes, uint8 (N, K // 32)
+    E8M0 scales). The codes are repacked into element order, two per byte, low nibble first."""
+    rb, ts = quants.row_nbytes("MXFP4", K), quants.type_size("MXFP4")
+    blocks = np.asarray(raw, np.uint8).reshape(N * (rb // ts), ts)
+    idx = quants.mxfp4_indices(blocks).reshape(N, K)
+    wq = np.ascontiguousarray((idx[:, 0::2] | (idx[:, 1::2] << 4)).astype(np.uint8)).view(np.uint32)
+    scales = np.ascontiguousarray(quants.field(blocks, "MXFP4", "e")).reshape(N, K // GROUP)
+    return wq, scales
+
+
 def dequantized_rows(raw: np.ndarray, type_name: str, N: int, K: int):
     """The matrix's rows as float32 slices (N_i, K), by the numpy reference dequantizer."""
     rb = quants.row_nbytes(type_name, K)
@@ -123,6 +138,8 @@ def packed_nbytes(type_name: str, N: int, K: int, convert_bits: dict | None = No
     per group, or the float values of float formats."""
     if type_name in FLOAT:
         return N * K * {"F32": 4, "F16": 2, "BF16": 2}[type_name]
+    if type_name == MXFP4:
+        return N * K // 2 + N * (K // GROUP)
     bits = (convert_bits or CONVERT_BITS).get(type_name) or {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
                                             "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}[type_name]
     return N * K * bits // 8 + N * (K // GROUP) * 8

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from localllm.formats.quants import BLOCK_LAYOUT, IQ4NL_VALUES, type_size
+from localllm.formats.quants import BLOCK_LAYOUT, IQ4NL_VALUES, MXFP4_VALUES, type_size
 
 _OFFSETS = {name: {} for name in BLOCK_LAYOUT}
 for _name, _fields in BLOCK_LAYOUT.items():
@@ -185,10 +185,20 @@ def _iq4_xs(b):
     return (_sub(_half(b, "IQ4_XS") * sc, 8) * values).reshape(nb, 256)
 
 
+def _mxfp4(b):
+    """2**(e - 128) times the doubled E2M1 value; the scale is built from its bits (e < 2:
+    the subnormals 2**-128, 2**-127), so the product is exact as in the reference."""
+    e = _field(b, "MXFP4", "e").to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    values = torch.as_tensor(MXFP4_VALUES.astype("float32"), device=b.device)
+    return d * values[_nibbles32(_field(b, "MXFP4", "qs")).long()]
+
+
 DEQUANT = {
     "F32": _f32, "F16": _f16, "BF16": _bf16, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0,
     "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k,
-    "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+    "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4,
 }
 
 

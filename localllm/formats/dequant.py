@@ -10,6 +10,7 @@ import numpy as np
 
 from localllm.formats.quants import (
     IQ4NL_VALUES,
+    MXFP4_VALUES,
     SUPPORTED_TYPES,
     _check_blocks,
     _sizes,
@@ -18,6 +19,8 @@ from localllm.formats.quants import (
     iq4xs_indices,
     iq4xs_scales,
     kquant_scales_mins,
+    mxfp4_indices,
+    mxfp4_scales,
     q2k_quants,
     q2k_scales_mins,
     q3k_quants,
@@ -270,13 +273,27 @@ def dequant_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     return (dl * values).reshape(nb, 256)
 
 
+@_dequantizer("MXFP4")
+def dequant_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4: weight = 2**(e - 128) * MXFP4_VALUES[idx] (a power of two times a small
+    integer: exact, subnormals included).
+
+    Args:
+        blocks: uint8 (n_blocks, 17).
+    Returns:
+        float32 (n_blocks, 32).
+    """
+    values = MXFP4_VALUES.astype(np.float32)[mxfp4_indices(blocks)]
+    return mxfp4_scales(blocks) * values
+
+
 _DEQUANT = {
     "F32": dequant_f32, "F16": dequant_f16, "BF16": dequant_bf16,
     "Q4_0": dequant_q4_0, "Q4_1": dequant_q4_1, "Q5_0": dequant_q5_0,
     "Q5_1": dequant_q5_1, "Q8_0": dequant_q8_0,
     "Q2_K": dequant_q2_k, "Q3_K": dequant_q3_k, "Q4_K": dequant_q4_k,
     "Q5_K": dequant_q5_k, "Q6_K": dequant_q6_k,
-    "IQ4_NL": dequant_iq4_nl, "IQ4_XS": dequant_iq4_xs,
+    "IQ4_NL": dequant_iq4_nl, "IQ4_XS": dequant_iq4_xs, "MXFP4": dequant_mxfp4,
 }
 
 

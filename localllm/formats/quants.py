@@ -12,7 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 SUPPORTED_TYPES = frozenset({
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
 })
 
 # Byte layout of one block, fields in storage order as (name, bytes); mirrors the
@@ -33,12 +33,19 @@ BLOCK_LAYOUT: dict[str, tuple[tuple[str, int], ...]] = {
     "Q6_K": (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
     "IQ4_NL": (("d", 2), ("qs", 16)),
     "IQ4_XS": (("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)),
+    "MXFP4": (("e", 1), ("qs", 16)),
 }
 
 # The 16 non-linear levels shared by IQ4_NL and IQ4_XS (kvalues_iq4nl in ggml-common.h).
 IQ4NL_VALUES = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 IQ4NL_VALUES.setflags(write=False)
+
+# MXFP4's 16 E2M1 codes as doubled integers (kvalues_mxfp4 in ggml-common.h): code c is
+# sign (bit 3) times {0, 0.5, 1, 1.5, 2, 3, 4, 6}[c & 7], times 2. The block's E8M0 byte e
+# scales them by 2**(e - 128), the half that undoes the doubling folded in.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+MXFP4_VALUES.setflags(write=False)
 
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
 _CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
@@ -443,3 +450,41 @@ def iq4xs_scales(blocks: np.ndarray) -> np.ndarray:
     low = ((sl.reshape(nb, 4, 1) >> _NIBBLE_SHIFTS.reshape(1, 1, 2)) & 0x0F).reshape(nb, 8)
     high = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03).astype(np.uint8)
     return (low | (high << 4)).astype(np.int8) - np.int8(32)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes as the float32 scale 2**(e - 128) that multiplies MXFP4_VALUES
+    (ggml's GGML_E8M0_TO_FP32_HALF): e = 0 and 1 give the subnormals 2**-128 and 2**-127,
+    e = 255 gives 2**127 (no NaN code, as in ggml).
+
+    Args:
+        e: uint8 array of any shape.
+    Returns:
+        float32 array of the same shape, exact.
+    """
+    e = np.asarray(e, dtype=np.uint8).astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def mxfp4_scales(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 block scales from the E8M0 byte.
+
+    Args:
+        blocks: uint8 (n_blocks, 17).
+    Returns:
+        float32 (n_blocks, 1); weight = scale * MXFP4_VALUES[idx].
+    """
+    return e8m0_half(field(blocks, "MXFP4", "e"))
+
+
+def mxfp4_indices(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 4-bit E2M1 codes, indices into MXFP4_VALUES, in element order (Q4_0 nibble
+    order: low nibbles are elements 0..15, high nibbles 16..31).
+
+    Args:
+        blocks: uint8 (n_blocks, 17).
+    Returns:
+        uint8 (n_blocks, 32) in [0, 15].
+    """
+    return _nibbles32(field(blocks, "MXFP4", "qs"))

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from localllm.text.tool_calls import (GENERIC, ToolCall, ToolCallError, ToolFormat,
                                       canonical_text, detect_format, functions,
-                                      generic_schema, generic_system_prompt, template_messages)
+                                      generic_schema, generic_system_prompt, harmony_call,
+                                      template_messages)
 
 
 @dataclass
@@ -24,16 +25,29 @@ class ToolPlan:
     template_kwargs: dict = field(default_factory=dict)
     schema: dict | None = None
 
-    def split(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a choice's whole output."""
+    def split(self, text: str, parts=()) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a choice's whole output.
+
+        Args:
+            text: the output's content.
+            parts: harmony messages to functions that the reasoning split already took
+                out of ``text`` (localllm.text.reasoning Parts of kind "tool_call").
+        """
         if self.fmt is None:
             return text, []
-        return self.fmt.parse(text)
+        content, calls = self.fmt.parse(text)
+        return content, calls + harmony_calls(parts)
 
     @property
     def buffers(self) -> bool:
         """Whether streamed text must be held back whole (the generic format is one JSON)."""
         return self.fmt is GENERIC
+
+
+def harmony_calls(parts) -> list[ToolCall]:
+    """The calls of harmony "tool_call" Parts addressed to functions (others dropped)."""
+    return [c for c in (harmony_call(p.name, p.text) for p in parts if p.kind == "tool_call")
+            if c is not None]
 
 
 def _generic_history(messages: list[dict]) -> list[dict]:
@@ -114,9 +128,16 @@ class StreamSplitter:
         self.text = ""
         self.sent = 0
         self.held = plan_.buffers
+        self.parts: list = []   # harmony calls the reasoning split took out of the text
 
-    def feed(self, piece: str) -> str:
-        """The content that can be shown now."""
+    def feed(self, piece: str, parts=()) -> str:
+        """The content that can be shown now.
+
+        Args:
+            piece: the next content text.
+            parts: harmony "tool_call" Parts that came with it (see ToolPlan.split).
+        """
+        self.parts += [p for p in parts if p.kind == "tool_call"]
         self.text += piece
         if self.held or self.plan.fmt is None:
             if self.plan.fmt is None:
@@ -141,6 +162,7 @@ class StreamSplitter:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet shown, calls) at the choice's end."""
         content, calls = self.plan.split(self.text)
+        calls = calls + harmony_calls(self.parts) if self.plan.fmt is not None else calls
         if calls:
             shown = self.text[:self.sent]
             rest = content[len(shown.strip()):] if content.startswith(shown.strip()) else ""

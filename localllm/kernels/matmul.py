@@ -7,6 +7,7 @@ thread split gives the same bits: a token's result never depends on its batch.
 Per-element recipes (isum: exact int32 dot of stored weight bytes with activation bytes;
 dx/xs/sx: activation block scale, integer sum, scaled sum; bsum: 16-wide activation sums):
   Q4_0/Q5_0/Q8_0/IQ4_NL  acc += f32(isum - off*xs) * (d*dx)       off = 8/16/128/128
+  MXFP4                  acc += f32(isum - 128*xs) * (d*dx)       d = 2**(e-128), float32
   Q4_1/Q5_1              acc += f32(isum) * (d*dx) + m*sx
   Q4_K/Q5_K/Q2_K         acc += (d*dx)*f32(sum_j sc_j*isum_j) - (dmin*dx)*f32(sum_j mn_j*bsum_j)
   Q6_K/Q3_K/IQ4_XS       acc += (d*dx)*f32(sum_j sc_j*isum_j - off*sum_j sc_j*bsum_j)  off = 32/4/128
@@ -44,6 +45,8 @@ def block_scales(w, i):
 def _ol_block_scales(w, i):
     if "m" in getattr(w, "fields", ()):
         return lambda w, i: (vf_load_f16(w.d, i * 32), vf_load_f16(w.m, i * 32))
+    if getattr(w, "instance_class", None) is P.PackedMXFP4:
+        return lambda w, i: (vf_load(w.d, i * 64), vf_zero())
     return lambda w, i: (vf_load_f16(w.d, i * 32), vf_zero())
 
 
@@ -62,7 +65,8 @@ def _ol_block_term(w, isum, s, dx, xs, sx, o):
             return vf_add(vf_mul(vf_from_vi(isum), vf_mul(s[0], vf_bcast(dx, o))),
                           vf_mul(s[1], vf_bcast(sx, o)))
         return term_min
-    shift = {P.PackedQ4_0: 3, P.PackedQ5_0: 4, P.PackedQ8_0: 7, P.PackedIQ4_NL: 7}[cls]
+    shift = {P.PackedQ4_0: 3, P.PackedQ5_0: 4, P.PackedQ8_0: 7, P.PackedIQ4_NL: 7,
+             P.PackedMXFP4: 7}[cls]
 
     def term_offset(w, isum, s, dx, xs, sx, o):  # offset * sum as a shift: exact in int32
         return vf_mul(vf_from_vi(vi_sub(isum, vi_sll(vi_bcast4(xs, o), shift))),
@@ -348,7 +352,7 @@ def quantize(x: np.ndarray, need32: bool = True, need256: bool = False) -> Quant
 
     Args:
         x: float32 (n, K).
-        need32: produce 32-wide blocks (for Q4_0..Q8_0, IQ4_NL).
+        need32: produce 32-wide blocks (for Q4_0..Q8_0, IQ4_NL, MXFP4).
         need256: produce 256-wide blocks (for K-quants, IQ4_XS); K must be a multiple of 256.
     Returns:
         QuantActivations.

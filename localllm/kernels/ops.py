@@ -115,8 +115,47 @@ def rms_norm_heads(x, w, eps):
 
 # ----------------------------------------------------------------------------- RoPE
 
+def yarn_corr_dims(n_rot: int, n_ctx_orig: int, theta: float, beta_fast: float = 32.0,
+                   beta_slow: float = 1.0) -> tuple[float, float]:
+    """YaRN's correction range: the pair indices between which rotations blend from kept
+    (extrapolated, fast ones) to interpolated (slow ones), in float32 as llama.cpp computes
+    them (ggml_rope_yarn_corr_dims). A pair that turns ``beta`` times over the original
+    context sits at n_rot * ln(n_ctx_orig / (2 pi beta)) / (2 ln theta).
+
+    Returns:
+        (low, high): floor of beta_fast's index (at least 0), ceil of beta_slow's (at most
+        n_rot - 1), as floats.
+    """
+    f32 = np.float32
+
+    def dim(beta):
+        ratio = f32(f32(n_ctx_orig) / f32(f32(beta) * f32(2) * f32(np.pi)))
+        return f32(f32(n_rot) * np.log(ratio)) / f32(f32(2) * np.log(f32(theta)))
+    low = max(f32(0), np.floor(dim(beta_fast)))
+    high = min(f32(n_rot - 1), np.ceil(dim(beta_slow)))
+    return float(low), float(high)
+
+
+def yarn_mscale(factor: float, attn_factor: float = 1.0) -> float:
+    """The factor YaRN puts on cos and sin, in float32 as llama.cpp forms it: the context's
+    attention factor (get_mscale(factor) / (1 + 0.1 ln factor) times the file's
+    rope.scaling.attn_factor) times rope_yarn's own 1 + 0.1 ln(1 / freq_scale).
+
+    Args:
+        factor: rope.scaling.factor (positions are divided by it).
+        attn_factor: rope.scaling.attn_factor.
+    """
+    f32 = np.float32
+    freq_scale = f32(1) / f32(factor)
+    fac = f32(1) / freq_scale
+    a = f32(f32(0.1) * np.log(fac) + f32(1)) if fac > 1 else f32(1)
+    a = f32(a * f32(f32(1) / f32(f32(1) + f32(0.1) * np.log(fac))))
+    a = f32(a * f32(attn_factor))
+    return float(f32(a * f32(f32(1) + f32(0.1) * np.log(f32(1) / freq_scale))))
+
+
 def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=None,
-                pos_scale: float = 1.0, mscale: float = 1.0):
+                pos_scale: float = 1.0, mscale: float = 1.0, yarn=None):
     """cos/sin tables for rotary embeddings, with angles formed as llama.cpp forms them.
 
     The angle of pair i at position p is built in float32 the way llama.cpp's CPU backend
@@ -131,8 +170,13 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
         theta: frequency base.
         freq_factors: optional (n_rot // 2,) divisors of each frequency (rope_freqs tensor).
         pos_scale: linear position scaling (1 / scaling factor).
-        mscale: a factor on cos and sin (LongRoPE's attention factor): it scales the
-            rotated dims only, as llama.cpp applies it.
+        mscale: a factor on cos and sin (LongRoPE's attention factor, YaRN's magnitude
+            correction): it scales the rotated dims only, as llama.cpp applies it.
+        yarn: None, or YaRN's (ext_factor, low, high) (see yarn_corr_dims): pair i's angle
+            blends the scaled and the unscaled one, theta_s (1 - m) + theta m with
+            m = ext_factor * (1 - clip((i - low) / max(0.001, high - low), 0, 1)), so the
+            fast pairs below ``low`` keep their frequency and the slow ones past ``high``
+            are interpolated by ``pos_scale``.
     Returns:
         (cos, sin): float32 (n, n_rot // 2) each.
     """
@@ -144,7 +188,13 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
     t = np.asarray(positions, np.int64).astype(f32)
     ang = np.empty((t.shape[0], n_rot // 2), f32)
     for i in range(n_rot // 2):
-        ang[:, i] = scale * (t / ff[i])
+        extrap = t / ff[i]
+        ang[:, i] = scale * extrap
+        if yarn is not None:
+            ext, low, high = (f32(v) for v in yarn)
+            y = f32(f32(i) - low) / max(f32(0.001), f32(high - low))
+            mix = f32(f32(1) - min(f32(1), max(f32(0), y))) * ext
+            ang[:, i] = ang[:, i] * (f32(1) - mix) + extrap * mix
         t = t * step
     a = ang.astype(np.float64)
     cos, sin = np.cos(a).astype(f32), np.sin(a).astype(f32)

@@ -24,12 +24,14 @@ ROWS = 16  # rows per tile = int32 lanes of a 512-bit vector
 #   qs: low 4 bits (or all 8 / the 2-bit crumbs) per chunk-tile; hb: extra high bits;
 #   d, m, dmin: f16 scales per (tile, block) x 16 rows; sc, mn: int8/uint8 sub-block scales
 #   per (tile, superblock, sub-block) x 16 rows; lut: a 16-entry byte table repeated 4 times.
+#   MXFP4's d holds float32 scales 2**(e - 128) (beyond f16's range) per (tile, block) x 16 rows.
 PackedQ4_0 = namedtuple("PackedQ4_0", ["qs", "d"])
 PackedQ4_1 = namedtuple("PackedQ4_1", ["qs", "d", "m"])
 PackedQ5_0 = namedtuple("PackedQ5_0", ["qs", "hb", "d"])
 PackedQ5_1 = namedtuple("PackedQ5_1", ["qs", "hb", "d", "m"])
 PackedQ8_0 = namedtuple("PackedQ8_0", ["qs", "d"])
 PackedIQ4_NL = namedtuple("PackedIQ4_NL", ["qs", "d", "lut"])
+PackedMXFP4 = namedtuple("PackedMXFP4", ["qs", "d", "lut"])  # d: float32 scales, not f16
 PackedQ2_K = namedtuple("PackedQ2_K", ["qs", "sc", "mn", "d", "dmin"])
 PackedQ3_K = namedtuple("PackedQ3_K", ["qs", "hb", "sc", "d"])
 PackedQ4_K = namedtuple("PackedQ4_K", ["qs", "sc", "mn", "d", "dmin"])
@@ -49,16 +51,19 @@ _ROW_STEP = 4096
 
 
 # Format codes of the repack kernels. The 32-wide formats come first (one block per chunk).
-_CODE = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "IQ4_NL": 5,
-         "Q2_K": 6, "Q3_K": 7, "Q4_K": 8, "Q5_K": 9, "Q6_K": 10, "IQ4_XS": 11}
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _IQ4_NL, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_XS = range(12)
+_CODE = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "IQ4_NL": 5, "MXFP4": 6,
+         "Q2_K": 7, "Q3_K": 8, "Q4_K": 9, "Q5_K": 10, "Q6_K": 11, "IQ4_XS": 12}
+(_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _IQ4_NL, _MXFP4,
+ _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_XS) = range(13)
+_LAST32 = _MXFP4  # codes up to this one are the 32-wide formats
 # Per code: block bytes; byte offset of d, of m / dmin (-1: none); sub-block scales per block.
-_TYPE_SIZE = (18, 20, 22, 24, 34, 18, 84, 110, 144, 176, 210, 136)
-_D_OFF = (0, 0, 0, 0, 0, 0, 80, 108, 0, 0, 208, 0)
-_M_OFF = (-1, 2, -1, 2, -1, -1, 82, -1, 2, 2, -1, -1)
-_QS_OFF = (2, 4, 6, 8, 2, 2) + (0,) * 6  # qs (nibbles) offset in the 32-wide formats
-_N_SC = (0, 0, 0, 0, 0, 0, 16, 16, 8, 8, 16, 8)
-_HAS_MN = (False,) * 6 + (True, False, True, True, False, False)
+# (MXFP4's E8M0 byte at offset 0 becomes a float32 scale in numpy: see _pack_slab.)
+_TYPE_SIZE = (18, 20, 22, 24, 34, 18, 17, 84, 110, 144, 176, 210, 136)
+_D_OFF = (0, 0, 0, 0, 0, 0, 0, 80, 108, 0, 0, 208, 0)
+_M_OFF = (-1, 2, -1, 2, -1, -1, -1, 82, -1, 2, 2, -1, -1)
+_QS_OFF = (2, 4, 6, 8, 2, 2, 1) + (0,) * 6  # qs (nibbles) offset in the 32-wide formats
+_N_SC = (0, 0, 0, 0, 0, 0, 0, 16, 16, 8, 8, 16, 8)
+_HAS_MN = (False,) * 7 + (True, False, True, True, False, False)
 
 
 M01 = 0x01010101
@@ -83,7 +88,7 @@ def _spread4(b):
 def _chunk_words(code, row, c, v):
     """Chunk ``c`` (32 elements) of a raw GGUF row as 8 words, byte i of ``v[j]`` holding
     element 4j+i as the tiles store it (the reference unpackers' quants made unsigned)."""
-    if code <= _IQ4_NL:
+    if code <= _LAST32:
         o = c * _TYPE_SIZE[code]
         if code == _Q8_0:
             for j in range(8):
@@ -205,7 +210,7 @@ def _repack_scales(code, rows, K, t0, d, m, sc, mn):
     """Per-block f16 scales (copied bit for bit) and sub-block scales of whole tiles of raw
     rows -> the [tile][block][sub-block][row] arrays of tiles t0.. ."""
     ts = _TYPE_SIZE[code]
-    nb = K // 32 if code <= _IQ4_NL else K // 256
+    nb = K // 32 if code <= _LAST32 else K // 256
     do, mo, ns = _D_OFF[code], _M_OFF[code], _N_SC[code]
     for t in prange(rows.shape[0] // ROWS):
         for b in range(nb):
@@ -230,6 +235,7 @@ def _lut(table) -> np.ndarray:
 
 
 _IQ4_LUT = _lut(quants.IQ4NL_VALUES.astype(np.int16) + 128)
+_MXFP4_LUT = _lut(quants.MXFP4_VALUES.astype(np.int16) + 128)
 
 # Bytes per tile-chunk of each format's qs / hb words.
 _QS_BYTES = {"Q8_0": 512, "Q2_K": 128, "Q3_K": 128}
@@ -251,7 +257,7 @@ def _alloc(name: str, Np: int, K: int) -> dict[str, np.ndarray]:
         fields["sc"] = np.empty(Np * nb * _N_SC[code], np.uint8)
         if _HAS_MN[code]:
             fields["mn"] = np.empty(Np * nb * _N_SC[code], np.uint8)
-    fields["d"] = np.empty(Np * nb * 2, np.uint8)
+    fields["d"] = np.empty(Np * nb * (4 if name == "MXFP4" else 2), np.uint8)
     if _M_OFF[code] >= 0:
         fields["dmin" if name in SUPERBLOCK_FORMATS else "m"] = np.empty(Np * nb * 2, np.uint8)
     return fields
@@ -269,6 +275,11 @@ def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> No
     code = _CODE[name]
     _repack_quants(code, slab, K, t0, fields["qs"].view(np.uint32),
                    fields.get("hb", _EMPTY).view(np.uint32))
+    if name == "MXFP4":  # E8M0 bytes -> float32 scales, [tile][block][row]
+        n, nb = slab.shape[0], K // 32
+        e = slab.reshape(n // ROWS, ROWS, nb, _TYPE_SIZE[code])[:, :, :, 0].transpose(0, 2, 1)
+        fields["d"].view(np.float32).reshape(-1, nb, ROWS)[t0:t0 + n // ROWS] = quants.e8m0_half(e)
+        return
     m = fields.get("m", fields.get("dmin", _EMPTY))
     _repack_scales(code, slab, K, t0, fields["d"], m, fields.get("sc", _EMPTY),
                    fields.get("mn", _EMPTY))
@@ -276,7 +287,7 @@ def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> No
 
 _PACKED = {
     "Q4_0": PackedQ4_0, "Q4_1": PackedQ4_1, "Q5_0": PackedQ5_0, "Q5_1": PackedQ5_1,
-    "Q8_0": PackedQ8_0, "IQ4_NL": PackedIQ4_NL, "Q2_K": PackedQ2_K, "Q3_K": PackedQ3_K,
+    "Q8_0": PackedQ8_0, "IQ4_NL": PackedIQ4_NL, "MXFP4": PackedMXFP4, "Q2_K": PackedQ2_K, "Q3_K": PackedQ3_K,
     "Q4_K": PackedQ4_K, "Q5_K": PackedQ5_K, "Q6_K": PackedQ6_K, "IQ4_XS": PackedIQ4_XS,
     "F32": PackedF32, "F16": PackedF16, "BF16": PackedBF16,
 }
@@ -322,4 +333,6 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
             done(r0 * row_bytes, min(r1, N) * row_bytes)
     if name in ("IQ4_NL", "IQ4_XS"):
         fields["lut"] = _IQ4_LUT
+    elif name == "MXFP4":
+        fields["lut"] = _MXFP4_LUT
     return _PACKED[name](**fields)

@@ -95,7 +95,8 @@ def lookup(v8, lut):
 # bounds how the AVX2 dot products may sum in int16.
 MAX_BYTE = {P.PackedQ4_0: 15, P.PackedQ4_1: 15, P.PackedQ4_K: 15, P.PackedQ5_0: 31,
             P.PackedQ5_1: 31, P.PackedQ5_K: 31, P.PackedQ6_K: 63, P.PackedQ2_K: 3,
-            P.PackedQ3_K: 7, P.PackedQ8_0: 255, P.PackedIQ4_NL: 255, P.PackedIQ4_XS: 255}
+            P.PackedQ3_K: 7, P.PackedQ8_0: 255, P.PackedIQ4_NL: 255, P.PackedIQ4_XS: 255,
+            P.PackedMXFP4: 140}
 
 
 def dot(w, v, xq, xo, sc, xsum):
@@ -119,7 +120,7 @@ def _ol_unpack_chunk(w, ct):
     cls = getattr(w, "instance_class", None)
     if cls in (P.PackedQ4_0, P.PackedQ4_1, P.PackedQ4_K):
         return lambda w, ct: unpack_nibbles(w.qs, ct * 256)
-    if cls in (P.PackedIQ4_NL, P.PackedIQ4_XS):
+    if cls in (P.PackedIQ4_NL, P.PackedIQ4_XS, P.PackedMXFP4):
         return lambda w, ct: lookup(unpack_nibbles(w.qs, ct * 256), w.lut)
     if cls in (P.PackedQ5_0, P.PackedQ5_1, P.PackedQ5_K):
         return lambda w, ct: add_bits(unpack_nibbles(w.qs, ct * 256), w.hb, ct * 64, 4)

@@ -25,6 +25,8 @@ class ModelArgs(llama.ModelArgs):
     swa_pattern: int = 6          # every n-th layer (the last of each group) is global
     attn_scale: float = 0.0
 
+    rope_scalings = ("none", "linear")
+
     @classmethod
     def from_gguf(cls, meta: dict, arch: str = "gemma3") -> "ModelArgs":
         base = llama.ModelArgs.from_gguf(meta, arch)

@@ -3,6 +3,10 @@ SwiGLU feed-forward, tied or separate output head.
 
 Llama 3.1/3.2's "llama3" rope scaling reaches GGUF files as the ``rope_freqs`` tensor (the
 converter turns the scaling into per-frequency divisors), which the RoPE tables apply.
+YaRN (``rope.scaling.type = yarn``, as Qwen2.5/Qwen3 long-context files set it) is read as
+llama.cpp reads it for these architectures: the factor, the original context length (else
+the training one) and the attention factor from the file; beta_fast 32, beta_slow 1 and
+ext_factor 1 fixed.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from localllm.backends.base import RopeSpec
 from localllm.kernels.kvpages import key_balance
+from localllm.kernels.ops import yarn_corr_dims, yarn_mscale
 
 from . import moe
 from .block import BlockSpec, BlockWeights
@@ -39,9 +44,16 @@ class ModelArgs:
     n_experts_used: int = 0
     expert_hidden_dim: int = 0      # each expert's FFN width
     shared_hidden_dim: int = 0      # the shared expert's (Qwen2-MoE)
+    rope_scaling: str = "none"      # {arch}.rope.scaling.type
+    rope_orig_ctx: int = 0          # rope.scaling.original_context_length (0: context_length)
 
     # rope scaling types ({arch}.rope.scaling.type) this architecture runs
-    rope_scalings = ("none", "linear")
+    rope_scalings = ("none", "linear", "yarn")
+    # YaRN's blend range and extrapolation mix, llama.cpp's defaults (these architectures
+    # read no file keys for them)
+    yarn_beta_fast = 32.0
+    yarn_beta_slow = 1.0
+    yarn_ext_factor = 1.0
 
     @classmethod
     def from_gguf(cls, meta: dict, arch: str = "llama") -> "ModelArgs":
@@ -84,6 +96,8 @@ class ModelArgs:
             context_length=meta_int(meta, p + "context_length", 2048),
             rope_attn_factor=meta_float(meta, p + "rope.scaling.attn_factor", 1.0),
             **moe.args_from_gguf(meta, arch),
+            rope_scaling=str(scale_type),
+            rope_orig_ctx=meta_int(meta, p + "rope.scaling.original_context_length", 0),
         )
         args.check()
         return args
@@ -188,6 +202,12 @@ class Model(Net):
         freq = None
         if w.has("rope_freqs.weight"):
             freq = w.host_vector("rope_freqs.weight", a.n_rot // 2)
+        if a.rope_scaling == "yarn":
+            low, high = yarn_corr_dims(a.n_rot, a.rope_orig_ctx or a.context_length,
+                                       a.rope_theta, a.yarn_beta_fast, a.yarn_beta_slow)
+            return RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq,
+                            yarn_mscale(1.0 / a.rope_scale, a.rope_attn_factor),
+                            (a.yarn_ext_factor, low, high))
         return RopeSpec(a.n_rot, a.rope_theta, self.rope_neox, a.rope_scale, freq,
                         a.rope_attn_factor)
 

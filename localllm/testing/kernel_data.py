@@ -45,6 +45,9 @@ def random_weight(name: str, N: int, K: int, rng: np.random.Generator) -> np.nda
         return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
     nb = N * K // quants.block_size(name)
     blocks = rng.integers(0, 256, (nb, quants.type_size(name)), dtype=np.uint8)
+    if name == "MXFP4":  # E8M0 scales 2**-12 .. 2**-9: weights up to about 0.01
+        blocks[:, 0] = rng.integers(116, 120, nb, dtype=np.uint8)
+        return blocks.reshape(-1)
     d = rng.uniform(0.5, 1.5, nb) * 0.01
     fields = f16_fields(name)
     blocks[:, fields["d"]:fields["d"] + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)

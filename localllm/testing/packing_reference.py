@@ -106,6 +106,8 @@ def values_and_scales(name: str, blocks: np.ndarray):
         return q.field(blocks, name, "qs") ^ np.uint8(0x80), {"d": q.half_field(blocks, name, "d")}
     if name == "IQ4_NL":
         return q.iq4nl_indices(blocks), {"d": q.half_field(blocks, name, "d")}
+    if name == "MXFP4":
+        return q.mxfp4_indices(blocks), {"d32": q.mxfp4_scales(blocks)}
     if name == "Q2_K":
         sc, mn = q.q2k_scales_mins(blocks)
         return q.q2k_quants(blocks), {"d": q.half_field(blocks, name, "d"),
@@ -152,6 +154,8 @@ def _pack_rows(name: str, rows: np.ndarray, K: int) -> dict[str, np.ndarray]:
     for key in ("d", "m", "dmin"):
         if key in sc:
             out[key] = pack_row_values(sc[key].astype(np.float16).reshape(n, nb), nb)
+    if "d32" in sc:  # float32 scales (MXFP4)
+        out["d"] = pack_row_values(sc["d32"].astype(np.float32).reshape(n, nb), nb)
     for key in ("sc", "mn"):
         if key in sc:
             a = sc[key].reshape(n, -1)
@@ -178,4 +182,6 @@ def pack_weight_reference(name: str, raw: np.ndarray, N: int, K: int):
         fields = _pack_rows(name, rows, K)
     if name in ("IQ4_NL", "IQ4_XS"):
         fields["lut"] = np.tile((quants.IQ4NL_VALUES.astype(np.int16) + 128).astype(np.uint8), 4)
+    elif name == "MXFP4":
+        fields["lut"] = np.tile((quants.MXFP4_VALUES.astype(np.int16) + 128).astype(np.uint8), 4)
     return P.packed_class(name)(**fields)

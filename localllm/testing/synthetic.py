@@ -118,8 +118,30 @@ MOE_SPECS = {
                     context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256,
                     block_gain=0.25),
 }
-ALL_SPECS = {**SPECS, **MOE_SPECS}
 
+# YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context): the
+# converter writes the type, factor and original context; llama.cpp fixes the rest.
+def _yarn_meta(factor: float, original: int) -> dict:
+    return {"rope.scaling.type": ("yarn", GGUFValueType.STRING),
+            "rope.scaling.factor": (factor, GGUFValueType.FLOAT32),
+            "rope.scaling.original_context_length": (original, GGUFValueType.UINT32)}
+
+
+MXFP4_TYPES = {"attn": "MXFP4", "attn_output": "MXFP4", "ffn": "MXFP4", "ffn_down": "MXFP4",
+               "embd": "Q8_0", "output": "F16"}
+SPECS.update({
+    # gpt-oss's weight format on a plain llama: every matrix but the embedding MXFP4.
+    "llama_mxfp4": Spec("llama", MXFP4_TYPES),
+    # YaRN on a llama file (adjacent-pair rotation) and on Qwen2 (NeoX halves, biases).
+    "llama_yarn": Spec("llama", {"attn": "Q4_0", "attn_output": "Q8_0", "ffn": "Q4_K",
+                                 "ffn_down": "Q6_K", "embd": "Q8_0", "output": "F16"},
+                       context_length=4096, meta=_yarn_meta(4.0, 1024)),
+    "qwen2_yarn": Spec("qwen2", {"attn": "Q5_0", "attn_output": "Q8_0", "ffn": "Q4_0",
+                                 "ffn_down": "Q8_0", "embd": "Q8_0", "output": "F32"},
+                       pre="qwen2", rope_theta=1000000.0, context_length=131072, qkv_bias=True,
+                       meta=_yarn_meta(4.0, 32768)),
+})
+ALL_SPECS = {**SPECS, **MOE_SPECS}
 
 LOGIT_STD = 5.0        # std of the random part of the logits
 EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
@@ -128,7 +150,8 @@ EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
 # the short one up to the original context (512 here), the long one beyond.
 CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3", 1024),
          "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
-         "phi3_partial": ("phi3_partial", 1024)}
+         "phi3_partial": ("phi3_partial", 1024), "llama_mxfp4": ("llama_mxfp4", 1024),
+         "llama_yarn": ("llama_yarn", 1024), "qwen2_yarn": ("qwen2_yarn", 1024)}
 MOE_CASES = {name: (name, 1024) for name in MOE_SPECS}
 
 
@@ -160,6 +183,10 @@ def _scaled(type_name: str, N: int, K: int, std: float, rng: np.random.Generator
                              type_name)
     # quantized: every value is linear in the f16 scale fields of its block
     blocks = raw.reshape(-1, quants.type_size(type_name))
+    if type_name == "MXFP4":  # a power-of-two scale: c rounded to the nearest power of two
+        e = blocks[:, 0].astype(np.int64) + int(np.rint(np.log2(c)))
+        blocks[:, 0] = np.clip(e, 0, 254).astype(np.uint8)
+        return raw
     for off in f16_fields(type_name).values():
         d = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * np.float32(c)
         blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8)

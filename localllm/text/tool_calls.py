@@ -72,7 +72,7 @@ def _json_at(text: str, pos: int):
 class ToolFormat:
     """A tool-call format.
 
-    name: short name ("hermes", "llama3", "mistral", "generic").
+    name: short name ("hermes", "llama3", "mistral", "harmony", "generic").
     trigger: the text that starts a call in the output ("" for generic: the whole answer is JSON).
     prefix / suffix: literal text around one call's JSON body.
     args_key: the body's key for the arguments ("arguments" or "parameters").
@@ -203,15 +203,55 @@ def _parse_generic(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
     return text, []
 
 
+HARMONY_FUNCTIONS = "functions."   # harmony recipients that are the request's functions
+
+
+def harmony_call(recipient: str | None, body: str) -> ToolCall | None:
+    """The call of a harmony message addressed to ``recipient`` (``functions.NAME``) with
+    ``body`` as its arguments; None for other recipients (gpt-oss's built-in browser and
+    python tools, which a request's functions never name).
+
+    Args:
+        recipient: the header's ``to=`` value as written.
+        body: the message text, the arguments as JSON (a body that is not JSON is kept as
+            a JSON string; an empty one is no arguments).
+    """
+    if not recipient or not recipient.startswith(HARMONY_FUNCTIONS):
+        return None
+    name = recipient[len(HARMONY_FUNCTIONS):]
+    if not name:
+        return None
+    body = body.strip()
+    return ToolCall(name, _args_text(body) if body else "{}")
+
+
+def _parse_harmony(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
+    """gpt-oss's channels: messages addressed ``to=functions.NAME`` (on the commentary
+    channel) are calls; with calls, the content is the answer's text (the final and plain
+    commentary channels, reasoning apart); without, the text is left as it is."""
+    from .reasoning import ReasoningSplitter
+    sp = ReasoningSplitter("harmony")
+    parts = sp.feed(text) + sp.finish()
+    calls = [c for c in (harmony_call(p.name, p.text) for p in parts if p.kind == "tool_call")
+             if c is not None]
+    if not calls:
+        return text, []
+    return "".join(p.text for p in parts if p.kind == "content").strip(), calls
+
+
 _PARSERS = {"hermes": _parse_tagged, "llama3": _parse_llama3, "mistral": _parse_mistral,
-            "mistral_nemo": _parse_tagged, "generic": _parse_generic}
+            "mistral_nemo": _parse_tagged, "generic": _parse_generic, "harmony": _parse_harmony}
 
 HERMES = ToolFormat("hermes", "<tool_call>", "<tool_call>\n", "\n</tool_call>")
 LLAMA3 = ToolFormat("llama3", "{", "", "", args_key="parameters")
 MISTRAL_NEMO = ToolFormat("mistral_nemo", "[TOOL_CALLS]", "[TOOL_CALLS]", "", as_list=True)
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", "")
 GENERIC = ToolFormat("generic", "", "", "")
-FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC)}
+# gpt-oss: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>.
+# Raw output opens with a channel, so a stream of it is held whole (split by channel, as
+# the server does by default, the answer's text has no markers and streams as it comes).
+HARMONY = ToolFormat("harmony", "<|channel|>", "<|channel|>commentary to=functions.", "<|call|>")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC, HARMONY)}
 
 
 def detect_format(template_source: str | None) -> ToolFormat:
@@ -225,6 +265,8 @@ def detect_format(template_source: str | None) -> ToolFormat:
     src = template_source or ""
     if "tools" not in src and "tool_calls" not in src:
         return GENERIC
+    if "<|channel|>" in src and "to=" in src and "functions." in src:
+        return HARMONY
     if "<tool_call>" in src:
         return HERMES
     if "[TOOL_CALLS]" in src:
@@ -361,6 +403,10 @@ def canonical_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
             {"name": c.name, "arguments": _arguments_value(c.arguments)} for c in calls]})
     if fmt.name == "mistral":
         return "".join(f"[TOOL_CALLS]{c.name}[ARGS]{c.arguments}" for c in calls)
+    if fmt.name == "harmony":   # after the prompt's <|start|>assistant; later ones anew
+        return "<|start|>assistant".join(
+            f"<|channel|>commentary to=functions.{c.name} <|constrain|>json<|message|>"
+            f"{json.dumps(_arguments_value(c.arguments))}<|call|>" for c in calls)
     bodies = [{"name": c.name, fmt.args_key: _arguments_value(c.arguments)} for c in calls]
     if fmt.as_list:
         return fmt.prefix + json.dumps(bodies)

@@ -79,10 +79,10 @@ CASES = {
     "infinite rope base": (
         {P + "rope.freq_base": float("inf")}, {}, ModelError,
         "'llama.rope.freq_base' is inf, not a finite number"),
-    "yarn rope scaling": (
-        {P + "rope.scaling.type": ("yarn", V.STRING, None), P + "rope.scaling.factor": 4.0}, {},
-        ModelError, "'llama.rope.scaling.type' is 'yarn', not supported for llama "
-        "(supported: none, linear)"),
+    "longrope rope scaling": (
+        {P + "rope.scaling.type": ("longrope", V.STRING, None), P + "rope.scaling.factor": 4.0},
+        {}, ModelError, "'llama.rope.scaling.type' is 'longrope', not supported for llama "
+        "(supported: none, linear, yarn)"),
     "zero rope attention factor": (
         {P + "rope.scaling.attn_factor": 0.0}, {}, ModelError,
         "'llama.rope.scaling.attn_factor' must be positive, got 0.0"),

@@ -62,6 +62,30 @@ def test_mlx_exact_mappings_round_trip_bit_for_bit(fmt):
         assert not np.array_equal(np.array(half.astype(mx.float32)), ref)
 
 
+def test_mlx_mxfp4_mode_round_trips_bit_for_bit():
+    """MXFP4 goes into MLX's own mxfp4 mode unchanged: the same codes and E8M0 bytes."""
+    mx = pytest.importorskip("mlx.core")
+    from localllm.backends.mlx import convert, dequantize as mlx_dequantize
+    N, K = 40, 1024
+    raw = random_weight("MXFP4", N, K, np.random.default_rng(2))
+    blocks = raw.reshape(-1, 17)
+    # Every E8M0 byte but 255 (MLX reads it as inf, ggml as 2**127; no quantizer writes it:
+    # it needs a block maximum of 2**130), the subnormal scales 0 and 1 included.
+    blocks[:, 0] = np.arange(blocks.shape[0]) % 255
+    w = convert(raw, "MXFP4", N, K)
+    assert w.mode == "mxfp4" and w.biases is None and w.scales.dtype == mx.uint8
+    ref = dequantize(raw, "MXFP4", (N, K))
+    with np.errstate(over="ignore"):
+        got = np.array(mlx_dequantize(w))
+    # Bit for bit, but for the sign of zero: MLX reads code 8 as -0.0, ggml as +0.0 (the
+    # same in every product and sum).
+    nonzero = ref != 0
+    np.testing.assert_array_equal(got[nonzero].view(np.uint32), ref[nonzero].view(np.uint32))
+    assert (got[~nonzero] == 0).all() and nonzero.mean() > 0.8
+    rows = mx.array(np.array([3, 0, 39], np.int32))
+    np.testing.assert_array_equal(np.array(mlx_dequantize(w, rows)), ref[[3, 0, 39]])
+
+
 # ---------------------------------------------------------------------------- ops
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -80,7 +104,7 @@ def test_linear(be, cpu, fmt, n):
     assert be.matrix_nbytes(w) == be.plan_matrix_nbytes(fmt, N, K)
 
 
-@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_K", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_K", "Q4_1", "MXFP4"])
 def test_embed(be, cpu, fmt):
     rng = np.random.default_rng(4)
     vocab, dim = 64, 256
@@ -114,6 +138,22 @@ def test_rope(be, cpu, neox, n_rot):
     want = cpu.rope(x.copy(), H, pos, spec)
     check(f"{be.name} rope neox={neox} n_rot={n_rot}",
           run(be, lambda b, x: b.rope(x, H, pos, spec), x), want, TOL_FLOAT_OP)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_yarn(be, cpu, neox):
+    from localllm.kernels.ops import yarn_corr_dims, yarn_mscale
+    rng = np.random.default_rng(6)
+    H, hd = 3, 64
+    low, high = yarn_corr_dims(hd, 1024, 10000.0)
+    spec = RopeSpec(hd, 10000.0, neox, 0.25, None, yarn_mscale(4.0), (1.0, low, high))
+    x = rnd(rng, 6, H * hd)
+    pos = np.array([0, 1, 2, 300, 301, 5000])
+    want = cpu.rope(x.copy(), H, pos, spec)
+    linear = cpu.rope(x.copy(), H, pos, RopeSpec(hd, 10000.0, neox, 0.25, None, spec.mscale))
+    assert not np.allclose(want, linear)
+    check(f"{be.name} rope yarn neox={neox}", run(be, lambda b, x: b.rope(x, H, pos, spec), x),
+          want, TOL_FLOAT_OP)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

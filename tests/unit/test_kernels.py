@@ -411,8 +411,26 @@ def test_quantize_rejects_partial_blocks():
             M.quantize(np.ones((2, K), np.float32), need32=need32, need256=need256)
 
 
+def test_mxfp4_largest_exponent_stays_in_its_row():
+    """MXFP4's E8M0 scale has no NaN or inf code; its largest, 2**127, overflows the
+    outputs of the row that holds it and no other row's."""
+    N, K = 40, 512
+    rng = np.random.default_rng(8)
+    raw = random_weight("MXFP4", N, K, rng)
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    clean = M.matmul(M.pack("MXFP4", raw, N, K), x)
+    bad = raw.copy()
+    start = 21 * quants.row_nbytes("MXFP4", K) + 1 * quants.type_size("MXFP4")
+    bad[start] = 255
+    bad[start + 1:start + 17] = 0x77                      # every code 7: +6.0 * 2**127
+    y = M.matmul(M.pack("MXFP4", bad, N, K), x)
+    others = [j for j in range(N) if j != 21]
+    assert_same_bits(y[:, others], clean[:, others], "MXFP4")
+    assert not np.isfinite(y[:, 21]).all()
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-@pytest.mark.parametrize("name", [f for f in FORMATS if f not in FLOAT_FORMATS])
+@pytest.mark.parametrize("name", [f for f in FORMATS if f not in FLOAT_FORMATS and f != "MXFP4"])
 def test_nonfinite_scales_do_not_crash(name, value):
     """A NaN or inf weight scale spoils only the outputs of the row that holds it."""
     N, K = 40, 512

@@ -435,3 +435,46 @@ def test_logsumexp_matches_float64():
         assert abs(logsumexp(z) - ref) < 1e-5 * max(1.0, abs(ref))
     z = np.full(33, -np.inf, np.float32)
     assert logsumexp(z) == -np.inf
+
+
+# ----------------------------------------------------------------------------- YaRN
+
+def test_yarn_correction_range_follows_the_formula():
+    """Pair index that turns beta times over the original context, floor / ceil."""
+    n_rot, orig, theta = 64, 1024, 10000.0
+    exact = [n_rot * math.log(orig / (2 * math.pi * b)) / (2 * math.log(theta)) for b in (32, 1)]
+    assert ops.yarn_corr_dims(n_rot, orig, theta) == (math.floor(exact[0]), math.ceil(exact[1]))
+    assert ops.yarn_corr_dims(n_rot, orig, theta) == (5.0, 18.0)
+    # as ggml: the low end clipped at 0, the high end at n_rot - 1 (only)
+    assert ops.yarn_corr_dims(8, 1 << 20, 10.0) == (14.0, 7.0)
+    assert ops.yarn_corr_dims(64, 8, 10000.0)[0] == 0.0
+
+
+def test_yarn_magnitude_factor():
+    assert ops.yarn_mscale(4.0) == pytest.approx(1 + 0.1 * math.log(4.0), rel=1e-6)
+    assert ops.yarn_mscale(4.0, 0.5) == pytest.approx(0.5 * (1 + 0.1 * math.log(4.0)), rel=1e-6)
+    assert ops.yarn_mscale(1.0) == 1.0
+
+
+def test_yarn_tables_blend_between_kept_and_interpolated_pairs():
+    """Pairs up to the range's low end keep the unscaled angle, pairs past its high end get
+    the linearly interpolated one, those between lie strictly between; cos and sin carry
+    the magnitude factor."""
+    n_rot, theta, factor = 64, 10000.0, 4.0
+    low, high = ops.yarn_corr_dims(n_rot, 1024, theta)
+    pos = np.arange(0, 3000, 7)
+    m = ops.yarn_mscale(factor)
+    cy, sy = ops.rope_tables(pos, n_rot, theta, None, 1 / factor, m, (1.0, low, high))
+    c0, s0 = ops.rope_tables(pos, n_rot, theta, None, 1.0, m)
+    cl, sl = ops.rope_tables(pos, n_rot, theta, None, 1 / factor, m)
+    keep, interp = slice(0, int(low) + 1), slice(int(high), None)
+    assert np.array_equal(cy[:, keep], c0[:, keep]) and np.array_equal(sy[:, keep], s0[:, keep])
+    assert np.array_equal(cy[:, interp], cl[:, interp]) and np.array_equal(sy[:, interp], sl[:, interp])
+    ang = np.arctan2(sy, cy)[1]                      # position 7: no wrap-around
+    a0, al = np.arctan2(s0, c0)[1], np.arctan2(sl, cl)[1]
+    mid = slice(int(low) + 1, int(high))
+    assert np.all((ang[mid] < a0[mid]) & (ang[mid] > al[mid]))
+    np.testing.assert_allclose(np.hypot(cy, sy), m, rtol=1e-6)
+    # ext_factor 0 is plain linear scaling
+    c, s = ops.rope_tables(pos, n_rot, theta, None, 1 / factor, m, (0.0, low, high))
+    assert np.array_equal(c, cl) and np.array_equal(s, sl)

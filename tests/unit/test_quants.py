@@ -18,11 +18,13 @@ from localllm.formats.gguf import GGUFFile
 F16_OFFSETS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-    "IQ4_NL": [0], "IQ4_XS": [0],
+    "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": [],
 }
+# MXFP4's scale is one E8M0 byte (offset 0): a power of two, kept to a sane range here.
+E8M0_OFFSETS = {"MXFP4": 0}
 QUANT_TYPES = sorted(F16_OFFSETS)
 FLOAT_TYPES = ["F32", "F16", "BF16"]
-GGUF_QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"]
+GGUF_QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "F16", "BF16"]
 DEQUANT_FN = {name: getattr(D, "dequant_" + name.lower()) for name in Q.SUPPORTED_TYPES}
 
 
@@ -53,6 +55,8 @@ def random_blocks(name: str, n_blocks: int, rng: np.random.Generator) -> np.ndar
     for off in F16_OFFSETS[name]:
         scale = (rng.standard_normal((n_blocks, 1)) * 10.0 ** rng.integers(-5, 1, (n_blocks, 1)))
         blocks[:, off:off + 2] = scale.astype(np.float16).view(np.uint8)
+    if name in E8M0_OFFSETS:
+        blocks[:, E8M0_OFFSETS[name]] = rng.integers(110, 131, n_blocks, dtype=np.uint8)
     return blocks
 
 
@@ -83,7 +87,7 @@ def test_gguf_quantized_bit_exact(name):
     out = D.dequantize(data, name, x.shape)
     assert_bits_equal(out, gguf_dequant(packed, name).reshape(x.shape))
     # And the values are the ones quantized, to the format's precision.
-    step = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2}.get(name, 0.15)
+    step = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "MXFP4": 0.3}.get(name, 0.15)
     assert np.all(np.abs(out - x) <= step * np.abs(x).max(axis=1, keepdims=True))
 
 
@@ -153,7 +157,7 @@ def test_nonfinite_scales_do_not_crash(name, bad):
 def _reconstruct(name: str, b: np.ndarray) -> np.ndarray:
     """Weights rebuilt from the public unpackers, in the documented float order."""
     f32 = lambda a: np.asarray(a, dtype=np.float32)  # noqa: E731
-    d = Q.half_field(b, name, "d")
+    d = Q.half_field(b, name, "d") if F16_OFFSETS[name] else None
     if name == "Q4_0":
         return d * f32(Q.q4_0_quants(b))
     if name == "Q4_1":
@@ -166,6 +170,8 @@ def _reconstruct(name: str, b: np.ndarray) -> np.ndarray:
         return d * f32(Q.q8_0_quants(b))
     if name == "IQ4_NL":
         return d * f32(Q.IQ4NL_VALUES[Q.iq4nl_indices(b)])
+    if name == "MXFP4":
+        return Q.mxfp4_scales(b) * f32(Q.MXFP4_VALUES[Q.mxfp4_indices(b)])
     if name == "Q2_K":
         sc, m = Q.q2k_scales_mins(b)
         q, sc, mn = f32(Q.q2k_quants(b)), np.repeat(f32(sc), 16, 1), np.repeat(f32(m), 16, 1)
@@ -197,11 +203,12 @@ def test_unpackers_rebuild_the_weights(name):
     ("q3k_quants", -4, 3), ("q4k_quants", 0, 15), ("q5k_quants", 0, 31),
     ("q6k_quants", -32, 31), ("iq4nl_indices", 0, 15), ("iq4xs_indices", 0, 15),
     ("q3k_scales", -32, 31), ("q6k_scales", -128, 127), ("iq4xs_scales", -32, 31),
+    ("mxfp4_indices", 0, 15),
 ])
 def test_unpacker_ranges(name, lo, hi):
     fmt = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "q8_0": "Q8_0",
            "q2k": "Q2_K", "q3k": "Q3_K", "q4k": "Q4_K", "q5k": "Q5_K", "q6k": "Q6_K",
-           "iq4nl": "IQ4_NL", "iq4xs": "IQ4_XS"}[name.rsplit("_", 1)[0]]
+           "iq4nl": "IQ4_NL", "iq4xs": "IQ4_XS", "mxfp4": "MXFP4"}[name.rsplit("_", 1)[0]]
     blocks = random_blocks(fmt, 400, np.random.default_rng(17))
     q = getattr(Q, name)(blocks)
     assert q.dtype == (np.uint8 if lo == 0 else np.int8)
@@ -257,6 +264,34 @@ def test_iq4nl_values():
     assert np.all(np.diff(Q.IQ4NL_VALUES.astype(int)) > 0)
     with pytest.raises(ValueError):
         Q.IQ4NL_VALUES[0] = 0
+
+
+def test_mxfp4_values():
+    assert Q.MXFP4_VALUES.dtype == np.int8 and Q.MXFP4_VALUES.shape == (16,)
+    assert Q.MXFP4_VALUES.tolist() == list(gguf.quants.MXFP4.kvalues)
+    with pytest.raises(ValueError):
+        Q.MXFP4_VALUES[0] = 0
+
+
+def test_mxfp4_every_exponent_bit_exact():
+    """All 256 E8M0 bytes (subnormal scales at 0 and 1, overflow to inf at the top), each
+    with every code, against gguf's dequantizer bit for bit."""
+    codes = np.arange(16, dtype=np.uint8)
+    qs = np.tile(codes[:8] | (codes[8:] << 4), 2)            # each code twice per block
+    blocks = np.empty((256, 17), np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = qs
+    with np.errstate(over="ignore"):
+        want = gguf_dequant(blocks, "MXFP4").reshape(256, 32)
+    got = D.dequant_mxfp4(blocks)
+    assert_bits_equal(got, want)
+    # The scale itself: 2**(e - 128), exactly (ldexp of a double is exact here).
+    scales = Q.e8m0_half(np.arange(256, dtype=np.uint8))
+    assert scales.tolist() == [np.ldexp(1.0, e - 128) for e in range(256)]
+    # e = 127 scales the doubled codes by one half: element 7 holds code 7 (6.0), element
+    # 23 the high nibble of byte 7, code 15 (-6.0), element 16 code 8 (-0.0).
+    assert got[127, 7] == 6.0 and got[127, 23] == -6.0 and got[127, 16] == 0.0
+    assert np.isinf(got[255]).sum() > 0 and not np.isnan(got).any()
 
 
 def test_hand_built_blocks():

@@ -210,7 +210,9 @@ def _usage(events: list[Event]) -> dict:
 
 def _whole(events: list[Event], head: dict, tools: ToolPlan) -> JSONResponse:
     reasoning = "".join(e.reasoning for e in events if isinstance(e, Piece))
-    text, calls = tools.split("".join(e.text for e in events if isinstance(e, Piece)))
+    pieces = [e for e in events if isinstance(e, Piece)]
+    text, calls = tools.split("".join(e.text for e in pieces),
+                              [p for e in pieces for p in e.tool_calls])
     content = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -297,7 +299,7 @@ def _stream(first: Event, job, head: dict, tools: ToolPlan):
                         "message_start")]
         if isinstance(ev, Piece):
             out = blocks.text("thinking", ev.reasoning) if ev.reasoning else []
-            text = split.feed(ev.text) if ev.text else ""
+            text = split.feed(ev.text, ev.tool_calls) if ev.text or ev.tool_calls else ""
             return out + (blocks.text("text", text) if text else [])
         if isinstance(ev, Finished):
             rest, calls = split.finish()

@@ -31,16 +31,19 @@ class _Choices:
         self.text: dict[int, list[str]] = {}     # the echoed prompt first (or "")
         self.reasoning: dict[int, list[str]] = {}
         self.logprobs: dict[int, list] = {}
+        self.calls: dict[int, list] = {}         # harmony messages to functions (Parts)
         self.finish: dict[int, str] = {}
         for ev in events:
             if isinstance(ev, Started):
                 self.text[ev.index] = [ev.prompt_text or ""]
                 self.reasoning[ev.index] = []
                 self.logprobs[ev.index] = list(ev.prompt_logprobs or [])
+                self.calls[ev.index] = []
             elif isinstance(ev, Piece):
                 self.text[ev.index].append(ev.text)
                 self.reasoning[ev.index].append(ev.reasoning)
                 self.logprobs[ev.index] += ev.logprobs or []
+                self.calls[ev.index] += ev.tool_calls
             elif isinstance(ev, Finished):
                 self.finish[ev.index] = ev.finish_reason
 
@@ -52,7 +55,7 @@ class _Choices:
         its tool calls, where the request had tools)."""
         m = {"role": "assistant", "content": "".join(self.text[i]), "refusal": None}
         if tools is not None:
-            content, calls = tools.split(m["content"])
+            content, calls = tools.split(m["content"], self.calls.get(i, ()))
             m["content"] = content or None if calls else content
             if calls:
                 m["tool_calls"] = [c.as_openai() for c in calls]
@@ -132,7 +135,8 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
             out = [chunk(ev.index, {"reasoning_content": ev.reasoning})] if ev.reasoning else []
             text = ev.text
             if tools is not None:
-                text = splitters.setdefault(ev.index, StreamSplitter(tools)).feed(ev.text)
+                text = splitters.setdefault(ev.index, StreamSplitter(tools)).feed(
+                    ev.text, ev.tool_calls)
             if text or ev.logprobs:
                 out.append(chunk(ev.index, {"content": text}, lps=ev.logprobs))
             return out

@@ -48,6 +48,7 @@ class _Turn:
         self.input = history + body.input_messages()  # the conversation, without instructions
         self.logprobs = LOGPROBS_INCLUDE in (body.include or [])
         self.text: list[str] = []
+        self.parts: list = []          # harmony messages to functions, split off the text
         self.lps: list = []
         self.finish: str | None = None
         self.usage = Usage()
@@ -61,13 +62,15 @@ class _Turn:
     def add(self, ev: Event) -> None:
         if isinstance(ev, Piece):
             self.text.append(ev.text)
+            self.parts += ev.tool_calls
             self.reasoning.append(ev.reasoning)
             self.lps += ev.logprobs or []
         elif isinstance(ev, Finished):
             self.finish = ev.finish_reason
             self.usage = ev.usage
             text = "".join(self.text)
-            self.content, self.calls = self.tools.split(text) if self.tools else (text, [])
+            self.content, self.calls = (self.tools.split(text, self.parts) if self.tools
+                                        else (text, []))
             self.call_ids = [new_id("fc_") for _ in self.calls]
 
     # ---- the objects of the API -----------------------------------------------------
@@ -217,7 +220,7 @@ def _render(turn: _Turn, ev: Event) -> list[str]:
                 out += _begin(turn, "reasoning")
             out.append(turn.event("response.reasoning_text.delta", **_where(turn, "reasoning"),
                                   delta=ev.reasoning))
-        text = turn.splitter.feed(ev.text) if turn.splitter else ev.text
+        text = turn.splitter.feed(ev.text, ev.tool_calls) if turn.splitter else ev.text
         if text or (ev.logprobs and not turn.splitter):
             out += _begin_message(turn)
             out.append(turn.event("response.output_text.delta", **_where(turn, "message"),
