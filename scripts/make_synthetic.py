@@ -6,6 +6,7 @@ same files and compare against those fixtures).
 
   python scripts/make_synthetic.py --dir DIR                        # the GGUF files only
   python scripts/make_synthetic.py --dir DIR --reference PYTHON     # and the fixtures
+  python scripts/make_synthetic.py --dir DIR --reference PYTHON --only smollm3  # some cases
 
 PYTHON is an interpreter with llama-cpp-python; it runs this script's ``--score`` step,
 which needs only llama_cpp and numpy.
@@ -23,11 +24,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "synthetic"
+GREEDY_PROMPTS = 8     # greedy continuations of the first prompts of fixtures_logits
+GREEDY_TOKENS = 24
 
 
-def write_models(out: Path) -> dict:
-    """Write every synthetic model into ``out``; returns the cases to score (also written
-    as out/cases.json for the --score step)."""
+def write_models(out: Path, only: list[str] | None = None) -> dict:
+    """Write every synthetic model into ``out`` (those of the ``only`` cases when given);
+    returns the cases to score (also written as out/cases.json for the --score step)."""
     from localllm.testing import synthetic
     from make_fixtures import model_path
     from localllm.formats.gguf import GGUFFile
@@ -35,14 +38,15 @@ def write_models(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     src = GGUFFile(model_path("smollm"))
     digests = {}
-    for name in synthetic.SPECS:
+    wanted = {c: m for c, (m, _) in synthetic.CASES.items() if not only or c in only}
+    for name in sorted(set(wanted.values())):
         path = synthetic.write(name, out / f"{name}.gguf", src.metadata)
         digests[name] = synthetic.digest(path)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     src.close()
     cases = {case: {"model": model, "n_ctx": n_ctx, "digest": digests[model],
                     "file": str(out / f"{model}.gguf")}
-             for case, (model, n_ctx) in synthetic.CASES.items()}
+             for case, (model, n_ctx) in synthetic.CASES.items() if case in wanted}
     (out / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -52,7 +56,8 @@ def score(out: Path) -> None:
     case, its own token-by-token agreement, and its token ids of the tokenizer texts."""
     import llama_cpp
     from localllm.testing.fixture_texts import corpus
-    from fixtures_logits import PASSAGE, THREADS, TOPK, all_logits, coarse_kl, log_softmax
+    from fixtures_logits import (PASSAGE, PROMPTS, THREADS, TOPK, all_logits, coarse_kl,
+                                 log_softmax)
 
     FIXTURES.mkdir(parents=True, exist_ok=True)
     texts = corpus()
@@ -61,6 +66,15 @@ def score(out: Path) -> None:
         ids = [int(i) for i in llm.tokenize(PASSAGE.encode(), add_bos=True, special=False)]
         text_ids = [[int(i) for i in llm.tokenize(t.encode(), add_bos=False, special=False)]
                     for t in texts]
+        greedy = []
+        for prompt in PROMPTS[:GREEDY_PROMPTS]:
+            pids = [int(i) for i in llm.tokenize(prompt.encode(), add_bos=True, special=False)]
+            out = []
+            for t in llm.generate(pids, temp=0.0, top_k=1, reset=True):
+                out.append(int(t))
+                if len(out) >= GREEDY_TOKENS:
+                    break
+            greedy.append({"prompt_ids": pids, "continuation": out})
         llm.close()
         lp = log_softmax(all_logits(c["file"], ids, 512, c["n_ctx"]))
         top = np.argsort(-lp, axis=1, kind="stable")[:, :TOPK]
@@ -70,8 +84,9 @@ def score(out: Path) -> None:
             "about": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads, "
                      f"n_ctx {c['n_ctx']}) on the synthetic {c['model']} model: top-{TOPK} "
                      "log-probs over the passage from one batch of 512; self: token by token "
-                     "against that batch; text_ids: the tokenizer texts without BOS",
-            **c, "passage": PASSAGE, "texts": texts, "text_ids": text_ids,
+                     "against that batch; text_ids: the tokenizer texts without BOS; greedy: "
+                     f"{GREEDY_TOKENS}-token greedy continuations, token by token",
+            **c, "passage": PASSAGE, "texts": texts, "text_ids": text_ids, "greedy": greedy,
             "self": {"top1": float((seq.argmax(1) == lp.argmax(1)).mean()),
                      "kl_mean": float(coarse_kl(top, top_lp, seq).mean())},
         }
@@ -90,12 +105,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", type=Path, required=True, help="where the GGUF files go")
     ap.add_argument("--reference", metavar="PYTHON",
                     help="an interpreter with llama-cpp-python: also write the fixtures")
+    ap.add_argument("--only", nargs="+", metavar="CASE",
+                    help="only these cases (keys of synthetic.CASES)")
     ap.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.score:
         score(args.dir)
         return 0
-    write_models(args.dir)
+    write_models(args.dir, args.only)
     if args.reference:
         return subprocess.call([args.reference, __file__, "--dir", str(args.dir), "--score"])
     return 0

@@ -137,7 +137,8 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
         (cos, sin): float32 (n, n_rot // 2) each.
     """
     f32 = np.float32
-    step = f32(np.float64(f32(theta)) ** np.float64(f32(-2.0) / f32(n_rot)))
+    # (n_rot 0: a layer without RoPE, empty tables)
+    step = f32(np.float64(f32(theta)) ** np.float64(f32(-2.0) / f32(max(n_rot, 1))))
     ff = (np.ones(n_rot // 2, f32) if freq_factors is None
           else np.asarray(freq_factors, f32).reshape(-1))
     scale = f32(pos_scale)

@@ -84,6 +84,10 @@ SPECS = {
     # Phi-4-mini's partial rotary embedding (48 of 64 dims), here without LongRoPE.
     "phi3_partial": Spec("phi3", PHI3_TYPES, n_rot=48, fused=True,
                          meta={"attention.sliding_window": (2047, GGUFValueType.UINT32)}),
+    # SmolLM3-3B's rope base and head size; 8 layers, so two of them (3 and 7) are NoPE.
+    "smollm3": Spec("smollm3", {"attn": "Q5_K", "attn_output": "Q4_0", "ffn": "Q4_K",
+                                "ffn_down": "Q8_0", "embd": "Q6_K", "output": "F16"},
+                    pre="llama-bpe", n_layers=8, rope_theta=5000000.0, context_length=65536),
 }
 
 LOGIT_STD = 5.0        # std of the random part of the logits
@@ -93,7 +97,7 @@ EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
 # the short one up to the original context (512 here), the long one beyond.
 CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3", 1024),
          "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
-         "phi3_partial": ("phi3_partial", 1024)}
+         "phi3_partial": ("phi3_partial", 1024), "smollm3": ("smollm3", 1024)}
 
 
 def llama3_freq_factors(n_rot: int, theta: float, factor: float, low_freq_factor: float,
