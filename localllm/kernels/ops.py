@@ -116,7 +116,8 @@ def rms_norm_heads(x, w, eps):
 # ----------------------------------------------------------------------------- RoPE
 
 def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=None,
-                pos_scale: float = 1.0, mscale: float = 1.0):
+                pos_scale: float = 1.0, mscale: float = 1.0, temp_scale: float = 0.0,
+                temp_floor: int = 0):
     """cos/sin tables for rotary embeddings, with angles formed as llama.cpp forms them.
 
     The angle of pair i at position p is built in float32 the way llama.cpp's CPU backend
@@ -133,6 +134,9 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
         pos_scale: linear position scaling (1 / scaling factor).
         mscale: a factor on cos and sin (LongRoPE's attention factor): it scales the
             rotated dims only, as llama.cpp applies it.
+        temp_scale, temp_floor: for queries, llama 4's attention temperature: row p also
+            times log(floor(p / temp_floor) + 1) * temp_scale + 1 (formed in float64 and
+            rounded once, as llama.cpp forms it), when temp_scale is not 0.
     Returns:
         (cos, sin): float32 (n, n_rot // 2) each.
     """
@@ -152,6 +156,12 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
     if mscale != 1.0:
         cos *= f32(mscale)
         sin *= f32(mscale)
+    if temp_scale != 0.0:
+        p = np.asarray(positions, np.float64)
+        temp = (np.log(np.floor(p / temp_floor) + 1.0) * np.float64(f32(temp_scale))
+                + 1.0).astype(f32)[:, None]
+        cos *= temp
+        sin *= temp
     return cos, sin
 
 

@@ -26,6 +26,7 @@ class BlockSpec:
     window: int = 0              # sliding-window attention span, 0 for global
     activation: str = "silu"     # gated FFN activation: 'silu' or 'gelu_tanh'
     k_balance: tuple | None = None  # per-dim key scaling of rotated KV types (kvpages)
+    q_rope: RopeSpec | None = None  # the queries' own RoPE (attention temperature), else rope
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
     if w.q_norm is not None:
         q = be.head_norm(q, s.n_heads, w.q_norm, s.norm_eps)
         k = be.head_norm(k, s.n_kv_heads, w.k_norm, s.norm_eps)
-    q = be.rope(q, s.n_heads, positions, s.rope)
+    q = be.rope(q, s.n_heads, positions, s.q_rope or s.rope)
     k = be.rope(k, s.n_kv_heads, positions, s.rope)
     o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window, s.k_balance)
     o = be.linear(o, [w.wo])[0]
@@ -82,7 +83,8 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
 
 
 def run_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions, kv: KVBatch):
-    """The block on the backend's native path when it has one, else composed from ops."""
-    if be.fused_blocks:
+    """The block on the backend's native path when it has one, else composed from ops (the
+    native blocks rotate queries and keys alike)."""
+    if be.fused_blocks and spec.q_rope is None:
         return be.decoder_block(x, w, spec, positions, kv)
     return compose_block(be, x, w, spec, positions, kv)

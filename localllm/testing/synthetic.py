@@ -88,6 +88,13 @@ SPECS = {
     "smollm3": Spec("smollm3", {"attn": "Q5_K", "attn_output": "Q4_0", "ffn": "Q4_K",
                                 "ffn_down": "Q8_0", "embd": "Q6_K", "output": "F16"},
                     pre="llama-bpe", n_layers=8, rope_theta=5000000.0, context_length=65536),
+    # Ministral 3's head size and rope base, with llama 4's attention temperature on a short
+    # original context (64), so that the passage's queries are scaled by up to ~2.
+    "mistral3": Spec("mistral3", {"attn": "Q6_K", "attn_output": "Q5_0", "ffn": "Q5_K",
+                                  "ffn_down": "Q4_1", "embd": "Q8_0", "output": "F16"},
+                     head_dim=128, rope_theta=1000000.0, context_length=4096,
+                     meta={"attention.temperature_scale": (0.5, GGUFValueType.FLOAT32),
+                           "rope.scaling.original_context_length": (64, GGUFValueType.UINT32)}),
 }
 
 LOGIT_STD = 5.0        # std of the random part of the logits
@@ -97,7 +104,8 @@ EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
 # the short one up to the original context (512 here), the long one beyond.
 CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3", 1024),
          "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
-         "phi3_partial": ("phi3_partial", 1024), "smollm3": ("smollm3", 1024)}
+         "phi3_partial": ("phi3_partial", 1024), "smollm3": ("smollm3", 1024),
+         "mistral3": ("mistral3", 1024)}
 
 
 def llama3_freq_factors(n_rot: int, theta: float, factor: float, low_freq_factor: float,
