@@ -1,6 +1,7 @@
-"""Qwen2, Qwen3, Phi-3, SmolLM3, Mistral 3 and Llama 3's rope scaling, checked on small synthetic models (written
-here by tests/synthetic.py, byte for byte the files scripts/make_synthetic.py sent through
-llama.cpp) against llama.cpp's logits and token ids, and through the `llm` command."""
+"""Qwen2, Qwen3, Phi-3, SmolLM3, Mistral 3 and Llama 3's rope scaling, checked on small
+synthetic models (written here by tests/synthetic.py, byte for byte the files
+scripts/make_synthetic.py sent through llama.cpp) against llama.cpp's logits and token ids,
+and through the `llm` command."""
 
 import json
 import re
