@@ -1,6 +1,7 @@
-"""SmolLM3's own chat template (the copy llama.cpp ships, in tests/fixtures/templates/):
-``/think`` and ``/no_think`` in the system prompt and ``enable_thinking`` pick the reasoning
-mode, and the output splits into reasoning and answer from the rendered prompt."""
+"""Reasoning models' own chat templates (the copies llama.cpp ships, in
+tests/fixtures/templates/): SmolLM3's ``/think`` and ``/no_think`` in the system prompt and
+``enable_thinking`` pick the reasoning mode; Ministral 3's reasoning is in [THINK] tags; the
+output splits into reasoning and answer from the rendered prompt."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.reasoning import split_reasoning, style_of_template
 
-SOURCE = (Path(__file__).parents[1] / "fixtures" / "templates" / "smollm3.jinja").read_text()
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
+SOURCE = (TEMPLATES / "smollm3.jinja").read_text()
 HEAD = "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\n"
 CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n"   # the no-think generation prompt
 DEFAULT_NO_THINK = "You are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n"
@@ -68,3 +70,19 @@ def test_output_splits_into_reasoning_and_answer(tmpl):
     # /no_think: the template closed the block, so all the output is the answer
     s = split_reasoning("12", prompt=render(tmpl, "/no_think"))
     assert (s.reasoning, s.content) == ("", "12")
+
+
+def test_ministral3_reasoning_template_and_its_think_tags():
+    source = (TEMPLATES / "ministral3-reasoning.jinja").read_text()
+    assert style_of_template(source) == "mistral"
+    t = ChatTemplate(source, "ministral3", bos_token="<s>", eos_token="</s>")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "5+5?"},
+            {"role": "assistant", "content": "10"}, {"role": "user", "content": "6+6?"}]
+    assert t.render(msgs) == ("<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST]5+5?[/INST]"
+                              "10</s>[INST]6+6?[/INST]")
+    assert "[THINK]Your thoughts" in t.render(msgs[1:])    # the default system prompt
+    s = split_reasoning("[THINK]Six and six make twelve.[/THINK]12", "mistral", t.render(msgs))
+    assert (s.reasoning, s.content) == ("Six and six make twelve.", "12")
+    # <think> means nothing to this style, and [THINK] nothing to the other
+    assert split_reasoning("<think>a</think>b", "mistral").content == "<think>a</think>b"
+    assert split_reasoning("[THINK]a[/THINK]b").content == "[THINK]a[/THINK]b"
