@@ -124,3 +124,17 @@ def test_prefix_reuse_across_turns(files, name):
     assert scratch.stats.cached_tokens == 0
     assert [t for c in scratch for t in c.tokens] == again
     m.close()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_bit_identical_however_the_tokens_are_batched(files, name):
+    """Also where blocks run composed (Mistral 3's query temperature) rather than fused."""
+    m = localllm.load(files[name], ctx_size=1024, threads=2, weight_cache=False)
+    ids = load_fixture(name)["ids"][:80].tolist()
+    whole = m.logits(ids)
+    for size in (1, 7):
+        seq = m.new_sequence()
+        parts = [seq.feed(ids[i:i + size], all_logits=True) for i in range(0, len(ids), size)]
+        seq.release()
+        assert np.array_equal(np.concatenate(parts).view(np.uint32), whole.view(np.uint32)), size
+    m.close()
