@@ -1,7 +1,7 @@
-"""Mistral 3 (Ministral 3, the text model of Mistral Small 3.x files so named): the llama
-block, with llama 4's attention temperature when the file asks for it: queries of position
-p scaled by log(floor(p / n_orig) + 1) * ``attention.temperature_scale`` + 1, n_orig the
-original context (``rope.scaling.original_context_length``, else the training context).
+"""Mistral 3 (``mistral3`` files, e.g. Ministral 3's text model): the llama block, with
+llama 4's attention temperature when the file asks for it: queries of position p scaled by
+log(floor(p / n_orig) + 1) * ``attention.temperature_scale`` + 1, n_orig the original
+context (``rope.scaling.original_context_length``, else the training context).
 
 YaRN-scaled files are refused by ModelArgs (not run here), as are MoE and biased variants.
 """
