@@ -7,6 +7,7 @@ same files and compare against those fixtures).
   python scripts/make_synthetic.py --dir DIR                        # the GGUF files only
   python scripts/make_synthetic.py --dir DIR --reference PYTHON     # and the fixtures
   python scripts/make_synthetic.py --dir DIR --reference PYTHON --moe   # the MoE ones only
+  python scripts/make_synthetic.py --dir DIR --reference PYTHON --cases smollm3  # some
 
 PYTHON is an interpreter with llama-cpp-python; it runs this script's ``--score`` step,
 which needs only llama_cpp and numpy.

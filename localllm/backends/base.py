@@ -20,6 +20,10 @@ class RopeSpec:
     freq_factors: Any = None   # optional per-frequency divisors (rope_freqs tensor), numpy
     mscale: float = 1.0        # cos and sin multiplied by this ({arch}.rope.scaling.attn_factor)
     yarn: tuple | None = None  # YaRN's (ext_factor, low, high) blend (kernels.ops.rope_tables)
+    # queries only (llama 4's attention temperature): cos and sin of position p also times
+    # log(floor(p / temp_floor) + 1) * temp_scale + 1; 0: none
+    temp_scale: float = 0.0
+    temp_floor: int = 0
 
 
 @dataclass(frozen=True)

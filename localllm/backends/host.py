@@ -168,14 +168,15 @@ class RopeTables:
     def lookup(self, positions, spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
         """(cos, sin), float32 (n, n_rot // 2) each, for the given positions."""
         key = (spec.n_rot, spec.theta, spec.pos_scale, id(spec.freq_factors), spec.mscale,
-               spec.yarn)
+               spec.yarn, spec.temp_scale, spec.temp_floor)
         pos = np.asarray(positions, np.int64)
         hi = int(pos.max()) + 1
         have = self._tables.get(key)
         if have is None or have[0].shape[0] < hi:
             n = max(hi, 2 * (have[0].shape[0] if have else 256))
             have = rope_tables(np.arange(n), spec.n_rot, spec.theta, spec.freq_factors,
-                               spec.pos_scale, spec.mscale, spec.yarn)
+                               spec.pos_scale, spec.mscale, spec.yarn, spec.temp_scale,
+                               spec.temp_floor)
             self._tables[key] = have
         return have[0][pos], have[1][pos]
 

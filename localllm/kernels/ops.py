@@ -155,7 +155,8 @@ def yarn_mscale(factor: float, attn_factor: float = 1.0) -> float:
 
 
 def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=None,
-                pos_scale: float = 1.0, mscale: float = 1.0, yarn=None):
+                pos_scale: float = 1.0, mscale: float = 1.0, yarn=None,
+                temp_scale: float = 0.0, temp_floor: int = 0):
     """cos/sin tables for rotary embeddings, with angles formed as llama.cpp forms them.
 
     The angle of pair i at position p is built in float32 the way llama.cpp's CPU backend
@@ -177,11 +178,15 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
             m = ext_factor * (1 - clip((i - low) / max(0.001, high - low), 0, 1)), so the
             fast pairs below ``low`` keep their frequency and the slow ones past ``high``
             are interpolated by ``pos_scale``.
+        temp_scale, temp_floor: for queries, llama 4's attention temperature: row p also
+            times log(floor(p / temp_floor) + 1) * temp_scale + 1 (formed in float64 and
+            rounded once, as llama.cpp forms it), when temp_scale is not 0.
     Returns:
         (cos, sin): float32 (n, n_rot // 2) each.
     """
     f32 = np.float32
-    step = f32(np.float64(f32(theta)) ** np.float64(f32(-2.0) / f32(n_rot)))
+    # (n_rot 0: a layer without RoPE, empty tables)
+    step = f32(np.float64(f32(theta)) ** np.float64(f32(-2.0) / f32(max(n_rot, 1))))
     ff = (np.ones(n_rot // 2, f32) if freq_factors is None
           else np.asarray(freq_factors, f32).reshape(-1))
     scale = f32(pos_scale)
@@ -201,6 +206,12 @@ def rope_tables(positions: np.ndarray, n_rot: int, theta: float, freq_factors=No
     if mscale != 1.0:
         cos *= f32(mscale)
         sin *= f32(mscale)
+    if temp_scale != 0.0:
+        p = np.asarray(positions, np.float64)
+        temp = (np.log(np.floor(p / temp_floor) + 1.0) * np.float64(f32(temp_scale))
+                + 1.0).astype(f32)[:, None]
+        cos *= temp
+        sin *= temp
     return cos, sin
 
 

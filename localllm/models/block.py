@@ -28,6 +28,7 @@ class BlockSpec:
     k_balance: tuple | None = None  # per-dim key scaling of rotated KV types (kvpages)
     moe: MoESpec | None = None   # the routing of a mixture-of-experts FFN (weights.moe)
     qk_norm_whole: bool = False  # QK-norm over all heads at once (OLMoE), not per head
+    q_rope: RopeSpec | None = None  # the queries' own RoPE (attention temperature), else rope
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
         whole = s.qk_norm_whole
         q = be.head_norm(q, 1 if whole else s.n_heads, w.q_norm, s.norm_eps)
         k = be.head_norm(k, 1 if whole else s.n_kv_heads, w.k_norm, s.norm_eps)
-    q = be.rope(q, s.n_heads, positions, s.rope)
+    q = be.rope(q, s.n_heads, positions, s.q_rope or s.rope)
     k = be.rope(k, s.n_kv_heads, positions, s.rope)
     o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window, s.k_balance)
     o = be.linear(o, [w.wo])[0]
@@ -95,7 +96,8 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
 
 def run_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions, kv: KVBatch):
     """The block on the backend's native path when it has one, else composed from ops (the
-    native blocks have dense FFNs only)."""
-    if be.fused_blocks and w.moe is None and not spec.qk_norm_whole:
+    native blocks have dense FFNs and rotate queries and keys alike)."""
+    if (be.fused_blocks and w.moe is None and not spec.qk_norm_whole
+            and spec.q_rope is None):
         return be.decoder_block(x, w, spec, positions, kv)
     return compose_block(be, x, w, spec, positions, kv)

@@ -89,6 +89,17 @@ SPECS = {
     # Phi-4-mini's partial rotary embedding (48 of 64 dims), here without LongRoPE.
     "phi3_partial": Spec("phi3", PHI3_TYPES, n_rot=48, fused=True,
                          meta={"attention.sliding_window": (2047, GGUFValueType.UINT32)}),
+    # SmolLM3-3B's rope base and head size; 8 layers, so two of them (3 and 7) are NoPE.
+    "smollm3": Spec("smollm3", {"attn": "Q5_K", "attn_output": "Q4_0", "ffn": "Q4_K",
+                                "ffn_down": "Q8_0", "embd": "Q6_K", "output": "F16"},
+                    pre="llama-bpe", n_layers=8, rope_theta=5000000.0, context_length=65536),
+    # Ministral 3's head size and rope base, with llama 4's attention temperature on a short
+    # original context (64), so that the passage's queries are scaled by up to ~2.
+    "mistral3": Spec("mistral3", {"attn": "Q6_K", "attn_output": "Q5_0", "ffn": "Q5_K",
+                                  "ffn_down": "Q4_1", "embd": "Q8_0", "output": "F16"},
+                     head_dim=128, rope_theta=1000000.0, context_length=4096,
+                     meta={"attention.temperature_scale": (0.5, GGUFValueType.FLOAT32),
+                           "rope.scaling.original_context_length": (64, GGUFValueType.UINT32)}),
 }
 # Mixture-of-experts models (kept apart: scripts/make_synthetic.py --moe scores them).
 # Widths of 128 leave K-quants to the matrices that read 256-wide inputs. Blocks weigh more
@@ -151,7 +162,8 @@ EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
 CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3", 1024),
          "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
          "phi3_partial": ("phi3_partial", 1024), "llama_mxfp4": ("llama_mxfp4", 1024),
-         "llama_yarn": ("llama_yarn", 1024), "qwen2_yarn": ("qwen2_yarn", 1024)}
+         "llama_yarn": ("llama_yarn", 1024), "qwen2_yarn": ("qwen2_yarn", 1024),
+         "smollm3": ("smollm3", 1024), "mistral3": ("mistral3", 1024)}
 MOE_CASES = {name: (name, 1024) for name in MOE_SPECS}
 
 

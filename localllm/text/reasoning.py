@@ -1,5 +1,6 @@
 """Reasoning apart from the answer: a model's output text, fed piece by piece, split into
-reasoning and content parts (``<think>...</think>`` tags, or gpt-oss harmony channels),
+reasoning and content parts (``<think>...</think>`` tags, Mistral's ``[THINK]...[/THINK]``,
+or gpt-oss harmony channels),
 holding back only what could still be the start of a marker."""
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ import re
 from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# the open and close tags of each tagged style: "think" (Qwen3, DeepSeek R1, SmolLM3) and
+# "mistral" (Magistral, Ministral 3 reasoning)
+TAGS = {"think": (THINK_OPEN, THINK_CLOSE), "mistral": ("[THINK]", "[/THINK]")}
 # harmony (gpt-oss): <|start|>assistant<|channel|>analysis<|message|>...<|end|>
 H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -16,7 +20,7 @@ _H_HEADER_LEADS = ("assistant", "to=", H_CHANNEL, "<|constrain|>", H_START)
 _H_CHANNEL_RE = re.compile(r"<\|channel\|>\s*([A-Za-z0-9_.-]+)")
 _H_RECIPIENT_RE = re.compile(r"\bto=([^\s<]+)")
 
-STYLES = ("think", "harmony")
+STYLES = ("think", "mistral", "harmony")
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,12 @@ def style_of_template(source: str) -> str:
     Args:
         source: the jinja source of the template.
     Returns:
-        "harmony" for templates with harmony channels (gpt-oss), else "think".
+        "harmony" for templates with harmony channels (gpt-oss), "mistral" for those
+        that write ``[THINK]`` and no ``<think>``, else "think".
     """
-    return "harmony" if H_CHANNEL in source else "think"
+    if H_CHANNEL in source:
+        return "harmony"
+    return "mistral" if TAGS["mistral"][0] in source and THINK_OPEN not in source else "think"
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -65,9 +72,9 @@ class ReasoningSplitter:
 
     def __init__(self, style: str = "think", prompt: str = ""):
         """Args:
-            style: "think" or "harmony" (see style_of_template).
+            style: "think", "mistral" or "harmony" (see style_of_template).
             prompt: the rendered prompt; a template that opens the reasoning itself (its
-                generation prompt ends in ``<think>``, or in a harmony header) makes the
+                generation prompt ends in its open tag, or in a harmony header) makes the
                 output start inside it.
         Raises:
             ValueError: an unknown style.
@@ -75,12 +82,13 @@ class ReasoningSplitter:
         if style not in STYLES:
             raise ValueError(f"unknown reasoning style {style!r} (one of {', '.join(STYLES)})")
         self.style = style
+        self._tags = TAGS.get(style)   # None: harmony
         self._buf = ""
         self._out: list[Part] = []
         self.reasoning_chars = 0
-        if style == "think":
-            # start: before any text; reasoning; after: just past </think>; content
-            self._state = "reasoning" if prompt.rstrip().endswith(THINK_OPEN) else "start"
+        if self._tags:
+            # start: before any text; reasoning; after: just past the close tag; content
+            self._state = "reasoning" if prompt.rstrip().endswith(self._tags[0]) else "start"
             self._lead = True          # reasoning (or content after it) not begun: strip
         else:
             self._state, self._header, self._kind = "header", "", "content"
@@ -94,7 +102,7 @@ class ReasoningSplitter:
     @property
     def in_reasoning(self) -> bool:
         """Whether text fed now would be reasoning."""
-        if self.style == "think":
+        if self._tags:
             return self._state == "reasoning"
         return self._state == "body" and self._kind == "reasoning"
 
@@ -105,7 +113,7 @@ class ReasoningSplitter:
             the parts that are now certain, in order (adjacent ones of a kind merged).
         """
         self._buf += text
-        if self.style == "think":
+        if self._tags:
             self._think()
         else:
             self._harmony()
@@ -113,7 +121,7 @@ class ReasoningSplitter:
 
     def finish(self) -> list[Part]:
         """Returns: the parts still held back, at the end of the output."""
-        if self.style == "think":
+        if self._tags:
             if self._state == "start":
                 self._emit("content", self._buf)
             elif self._state == "reasoning":
@@ -131,18 +139,19 @@ class ReasoningSplitter:
         self._buf = ""
         return self._take()
 
-    # ---- <think> tags --------------------------------------------------------------
+    # ---- <think> (or [THINK]) tags --------------------------------------------------
 
     def _think(self) -> None:
+        opening, closing = self._tags
         while True:
             b = self._buf
             if self._state == "start":
                 s = b.lstrip()
-                if s.startswith(THINK_OPEN):
-                    self._buf = s[len(THINK_OPEN):]
+                if s.startswith(opening):
+                    self._buf = s[len(opening):]
                     self._state = "reasoning"
                     continue
-                if THINK_OPEN.startswith(s):   # whitespace, or a part of the tag
+                if opening.startswith(s):   # whitespace, or a part of the tag
                     return
                 self._state = "content"
                 continue
@@ -151,13 +160,13 @@ class ReasoningSplitter:
                     b = self._buf = b.lstrip()
                     if not b:
                         return
-                at = b.find(THINK_CLOSE)
+                at = b.find(closing)
                 if at >= 0:
                     self._emit("reasoning", b[:at].rstrip())
-                    self._buf = b[at + len(THINK_CLOSE):]
+                    self._buf = b[at + len(closing):]
                     self._state, self._lead = "after", True
                     continue
-                keep = _partial_suffix(b, (THINK_CLOSE,))
+                keep = _partial_suffix(b, (closing,))
                 text = b[:len(b) - keep]
                 body = text.rstrip()   # trailing space waits: it may end the reasoning
                 self._emit("reasoning", body)

@@ -146,3 +146,40 @@ def test_responses_reasoning_item_whole_and_streamed(think):
     assert kinds[-1] == "response.completed"
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+# ----------------------------------------------------------------------------- SmolLM3
+
+@pytest.fixture(scope="module")
+def smollm3(smollm_path):
+    s = serve(smollm_path, "smollm3.jinja")
+    yield s
+    s.stop()
+
+
+def smollm3_conversation(flag: str) -> list[dict]:
+    """SmolLM3's template drops reasoning_content from earlier answers (as its own does):
+    with /think their thinking is written in the content, where the model sees it."""
+    msgs = [{"role": "system", "content": f"Answer with a number. {flag}"}]
+    for q, r, a in SHOTS:
+        msgs += [{"role": "user", "content": q},
+                 {"role": "assistant",
+                  "content": f"<think>\n{r}\n</think>\n{a}" if flag == "/think" else a}]
+    return msgs + [{"role": "user", "content": "What is 5+5?"}]
+
+
+@pytest.mark.parametrize("flag", ["/think", "/no_think"])
+def test_smollm3_template_think_and_no_think(smollm3, flag):
+    c = client_of(smollm3)
+    r = c.chat.completions.create(model="smollm2-135m", max_tokens=40,
+                                  messages=smollm3_conversation(flag))
+    msg = r.choices[0].message
+    reasoning = getattr(msg, "reasoning_content", None)
+    print(flag, repr(reasoning), repr(msg.content))
+    if flag == "/think":
+        assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+        assert 0 < r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
+    else:   # the template closed the block: the whole output is the answer
+        assert reasoning is None
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    assert msg.content and "think>" not in msg.content

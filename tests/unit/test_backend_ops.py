@@ -156,6 +156,23 @@ def test_rope_yarn(be, cpu, neox):
           want, TOL_FLOAT_OP)
 
 
+def test_rope_without_rotated_dims_and_with_a_query_temperature(be, cpu):
+    """n_rot 0 (SmolLM3's NoPE layers) leaves x as it is; the attention temperature scales
+    position p by log(floor(p / temp_floor) + 1) * temp_scale + 1 (1 below temp_floor)."""
+    rng = np.random.default_rng(8)
+    H, hd = 2, 64
+    x = rnd(rng, 5, H * hd)
+    pos = np.array([0, 63, 64, 200, 1000])
+    none = RopeSpec(0, 10000.0, False)
+    assert np.array_equal(run(be, lambda b, x: b.rope(x, H, pos, none), x), x)
+    plain = RopeSpec(hd, 10000.0, False)
+    temp = RopeSpec(hd, 10000.0, False, temp_scale=0.5, temp_floor=64)
+    factor = (np.log(np.floor(pos / 64) + 1) * 0.5 + 1).astype(np.float32)[:, None]
+    want = cpu.rope(x.copy(), H, pos, plain) * factor
+    check(f"{be.name} rope with temperature", run(be, lambda b, x: b.rope(x, H, pos, temp), x),
+          want, TOL_FLOAT_OP)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_glu(be, cpu, act):
     rng = np.random.default_rng(7)

@@ -51,6 +51,15 @@ def test_think_tags_split_and_trim():
     assert (s.reasoning, s.content) == ("The user asks for 2+2.\nThat is 4.", "The answer is 4.")
 
 
+def test_mistral_think_tags_split_however_cut():
+    text = "[THINK]The user asks for 2+2.\nThat is 4.[/THINK]\n\nThe answer is 4."
+    assert every_cut_agrees(text, "mistral") == (
+        "The user asks for 2+2.\nThat is 4.", "The answer is 4.", [])
+    assert every_cut_agrees("4 [THINK] is a tag", "mistral") == ("", "4 [THINK] is a tag", [])
+    assert every_cut_agrees("a[/THINK]b", "mistral", prompt="[INST]q[/INST][THINK]") == (
+        "a", "b", [])
+
+
 def test_no_tags_is_all_content_and_streams_at_once():
     assert every_cut_agrees("Hello <b>there</b>") == ("", "Hello <b>there</b>", [])
     sp = ReasoningSplitter("think")
