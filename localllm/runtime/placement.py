@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import platform
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -326,9 +326,7 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
     elif want == "all":
         n_gpu = n
     elif want == "auto":
-        n_gpu = next((k for k in range(n, 0, -1)
-                      if _gpu_fits(_device_plans(tensors, args, pools, k, req), req.ctx, free,
-                                   host)), 0)
+        n_gpu, req = _auto_split(tensors, args, pools, req, free, host)
     else:
         n_gpu = min(int(want), n)
     devs = _device_plans(tensors, args, pools, n_gpu, req)
@@ -353,6 +351,31 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
         tokens = max(req.ctx, tokens)
     return MemoryPlan(n, n_gpu, req.ctx, tokens, req.k_type, req.v_type, devs, dict(free),
                       tuple((p, "cpu" if gpu is None else k) for p, k in req.rules))
+
+
+def _auto_split(tensors, args, pools, req: PlanRequest, free: dict, host: str):
+    """``-ngl auto``: (layers on the GPU, the request with the rules that fill it).
+
+    Every layer if all of it fits. A mixture-of-experts model then keeps its attention, norms,
+    dense FFNs and KV on the GPU first and moves experts to the CPU from the first layer on
+    (as --n-cpu-moe N, the smallest N that fits); if even no expert fits, the experts stay on
+    the CPU and whole layers leave the GPU from the first. Rules the user gave are tried
+    before these, so they still decide the tensors they name.
+    """
+    n = args.n_layers
+
+    def fits(k, r):
+        return _gpu_fits(_device_plans(tensors, args, pools, k, r), r.ctx, free, host)
+
+    if fits(n, req):
+        return n, req
+    if any(len(t.shape) == 3 for name, t in tensors.items() if _LAYER.match(name)):
+        for m in range(1, n + 1):
+            r = replace(req, rules=req.rules + tensor_rules(n_cpu_moe=m))
+            if fits(n, r):
+                return n, r
+        req = replace(req, rules=req.rules + tensor_rules(cpu_moe=True))
+    return next((k for k in range(n - 1, 0, -1) if fits(k, req)), 0), req
 
 
 def _gpu_fits(devs, ctx, free, host) -> bool:

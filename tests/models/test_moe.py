@@ -198,3 +198,52 @@ def test_tensor_rules_read_as_llama_cpps_options():
             tensor_rules(bad)
     with pytest.raises(BadSetting, match="--n-cpu-moe"):
         tensor_rules((), False, -1)
+
+
+def test_auto_fills_the_gpu_with_attention_first_then_experts(moe_files):
+    """-ngl auto on a GPU too small for the whole model keeps every layer's attention, norms
+    and KV there and moves experts to the CPU from the first layer on (as --n-cpu-moe N, the
+    smallest N that fits); only when no expert fits do whole layers leave."""
+    from localllm.backends.base import MemoryInfo
+    from localllm.backends.cpu import CpuBackend
+    from localllm.formats.gguf import GGUFFile
+    from localllm.models import llama
+    from localllm.runtime.placement import GPU_MARGIN, PlanRequest, plan_memory, tensor_rules
+
+    class SeparateGpu(CpuBackend):
+        """The CPU backend's sizes, allocated from a memory of its own (as a GPU's)."""
+        name, device = "gpu", "gpu:0"
+
+        def memory_info(self):
+            return MemoryInfo("gpu:0", 0, 0)
+
+    cpu, gpu = CpuBackend(), SeparateGpu()
+    with GGUFFile(moe_files["mixtral"]) as f:
+        args = llama.ModelArgs.from_gguf(f.metadata)
+        assert args.n_layers == 2
+
+        def plan(ngl, gpu_free, rules=()):
+            return plan_memory(f.tensors, args, cpu, gpu,
+                               PlanRequest(1024, gpu_layers=ngl, rules=rules),
+                               {"host": 8 << 30, "gpu:0": gpu_free})
+
+        def need(p):
+            d = p.devices[1]
+            return d.weight_bytes + 1024 * d.kv_per_token + d.scratch_bytes + GPU_MARGIN
+
+        whole = need(plan("all", 8 << 30))
+        first_out = need(plan("all", 8 << 30, tensor_rules(n_cpu_moe=1)))
+        none_in = need(plan("all", 8 << 30, tensor_rules(cpu_moe=True)))
+        one_layer = need(plan(1, 8 << 30, tensor_rules(cpu_moe=True)))
+        assert whole > first_out > none_in > one_layer
+        for room, layers, gpu_experts in ((whole, 2, 2), (whole - 1, 2, 1), (first_out, 2, 1),
+                                          (first_out - 1, 2, 0), (none_in, 2, 0),
+                                          (none_in - 1, 1, 0), (one_layer - 1, 0, 0)):
+            p = plan("auto", room)
+            assert p.gpu_layers == layers, (room, p.format())
+            per_layer = p.devices[0].expert_bytes + p.devices[1].expert_bytes
+            assert p.devices[1].expert_bytes * 2 == gpu_experts * per_layer, p.format()
+            assert need(p) <= room or layers == 0
+        # a rule the user gave still decides the tensors it names
+        p = plan("auto", whole, tensor_rules(("blk\\.1\\.ffn_.*_exps=CPU",)))
+        assert p.gpu_layers == 2 and p.devices[1].expert_bytes == p.devices[0].expert_bytes > 0
