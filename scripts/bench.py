@@ -104,13 +104,21 @@ def worker_localllm(path: str, ids: list[int], threads: int, reps: int, depth: i
 
 
 def decode_weight_bytes(m) -> int:
-    """Bytes of weights one decode step reads: every layer matrix plus the output head."""
+    """Bytes of weights one decode step reads: every layer matrix plus the output head; of a
+    mixture-of-experts layer, the router, the shared expert and the top-k experts' share of
+    the stacks (k / n_experts, the average over tokens)."""
     net = m.net
     total = net.output.nbytes
     for layer in net.layers:
         b = layer.weights
         for w in (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down):
-            total += w.nbytes
+            total += 0 if w is None else w.nbytes
+        e, spec = b.moe, layer.spec.moe
+        if e is not None:
+            for w in (e.router, e.shared_gate, e.shared_up, e.shared_down, e.shared_gate_inp):
+                total += 0 if w is None else w.nbytes
+            stacks = sum(x.nbytes for x in (e.gate, e.up, e.down))
+            total += stacks * spec.n_used // spec.n_experts
     return int(total)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write the scale ladder: random-weight GGUFs of real model shapes (Llama 3.2 1B and 3B,
-Llama 3.1 8B, Gemma 3 4B) with their real tokenizers, quantized by llama.cpp's own quantizer
+Llama 3.1 8B, Gemma 3 4B, and OLMoE-1B-7B's mixture of experts) with their real tokenizers, quantized by llama.cpp's own quantizer
 so the per-tensor mix of types is the one people download.
 
 The F16 file is written tensor by tensor from a pool of random values (memory stays near one
@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 
 from localllm.formats.fetch import cached_path
-from localllm.testing.synthetic import LLAMA3_SCALING, llama3_freq_factors
+from localllm.testing.synthetic import llama3_freq_factors
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class Shape:
     tied: bool
     context: int
     sliding_window: int = 0
+    n_experts: int = 0   # mixture-of-experts FFNs (hidden_dim is then each expert's width)
+    n_used: int = 0
 
 
 SHAPES = {
@@ -49,6 +51,9 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama", "llama-bpe", 4096, 32, 32, 8, 128, 14336, 500000.0, False, 131072),
     "gemma-3-4b": Shape("gemma3", "gemma3", 2560, 34, 8, 4, 256, 10240, 1000000.0, True, 131072,
                         sliding_window=1024),
+    # 64 experts, top-8 (1.3B of its 6.9B parameters active), QK-norm over all heads
+    "olmoe-1b-7b": Shape("olmoe", "gpt-2", 2048, 16, 16, 16, 128, 1024, 10000.0, False, 4096,
+                         n_experts=64, n_used=8),
 }
 
 # llama.cpp's llama_ftype values for the quantizer.
@@ -85,7 +90,8 @@ def _copy_tokenizer(w: gguf.GGUFWriter, src: Path) -> int:
 
 
 def _tensors(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, numpy shape, kind) of every tensor; kind is 'matrix', 'norm' or 'freqs'."""
+    """(name, numpy shape, kind) of every tensor; kind is 'matrix' (an expert stack too),
+    'norm', 'freqs' or 'router' (kept float32: llama.cpp's quantizer leaves it as it is)."""
     D, H = s.dim, s.hidden_dim
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     out = [("token_embd.weight", (n_vocab, D), "matrix")]
@@ -98,6 +104,17 @@ def _tensors(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
                 (b + "attn_k.weight", (kv, D), "matrix"),
                 (b + "attn_v.weight", (kv, D), "matrix"),
                 (b + "attn_output.weight", (D, q), "matrix")]
+        if s.arch == "olmoe":
+            out += [(b + "attn_q_norm.weight", (q,), "norm"),
+                    (b + "attn_k_norm.weight", (kv,), "norm")]
+        if s.n_experts:
+            E = s.n_experts
+            out += [(b + "ffn_norm.weight", (D,), "norm"),
+                    (b + "ffn_gate_inp.weight", (E, D), "router"),
+                    (b + "ffn_gate_exps.weight", (E, H, D), "matrix"),
+                    (b + "ffn_up_exps.weight", (E, H, D), "matrix"),
+                    (b + "ffn_down_exps.weight", (E, D, H), "matrix")]
+            continue
         if s.arch == "gemma3":
             out += [(b + "attn_q_norm.weight", (s.head_dim,), "norm"),
                     (b + "attn_k_norm.weight", (s.head_dim,), "norm"),
@@ -130,7 +147,12 @@ def _metadata(w: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     else:
         w.add_uint32(f"{a}.attention.key_length", s.head_dim)
         w.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    if a == "gemma3":
         w.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if s.n_experts:
+        w.add_uint32(f"{a}.expert_count", s.n_experts)
+        w.add_uint32(f"{a}.expert_used_count", s.n_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", s.hidden_dim)
     w.add_uint32("general.file_type", 1)
 
 
@@ -152,6 +174,8 @@ def write_f16(name: str, path: Path, vocab_dir: Path, seed: int = 0) -> Path:
     for tname, shp, kind in tensors:
         if kind == "norm":
             data = np.ones(shp, np.float32)
+        elif kind == "router":  # logits of std ~1: each token its own mix of experts
+            data = (rng.standard_normal(shp, dtype=np.float32) / np.sqrt(s.dim)).astype(np.float32)
         elif kind == "freqs":
             data = llama3_freq_factors(s.head_dim, s.rope_theta, 32.0, 1.0, 4.0, 8192)
         else:
