@@ -126,22 +126,23 @@ def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name
 
 # ---------------------------------------------------------------------------- the split
 
-SPLITS = [("torch", {"cpu_moe": True}), ("torch", {"n_cpu_moe": 1}),
-          ("mlx", {"cpu_moe": True}), ("torch", {"override_tensor": ("blk\\.1\\.ffn_.*_exps=CPU",)})]
+SPLITS = [("torch", {"cpu_moe": True}, "qwen2moe"), ("torch", {"n_cpu_moe": 1}, "qwen2moe"),
+          ("mlx", {"cpu_moe": True}, "qwen2moe"),
+          ("torch", {"override_tensor": ("blk\\.1\\.ffn_.*_exps=CPU",)}, "qwen2moe"),
+          ("torch", {"n_cpu_moe": 3}, "gptoss")]  # its router and expert biases follow
 
 
-@pytest.mark.parametrize("backend, split", SPLITS)
+@pytest.mark.parametrize("backend, split, name", SPLITS)
 def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_models, backend,
-                                                            split):
+                                                            split, name):
     pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
-    name = "qwen2moe"
     ids = load_case(name)["ids"].tolist()
     want = log_softmax(moe_models(name).logits(ids))
     m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
                       backend=backend, gpu_layers="all", **split)
     try:
         if "cpu_moe" in split:
-            cpu_layers = {0, 1}
+            cpu_layers = set(range(len(m.net.layers)))
         elif "n_cpu_moe" in split:
             cpu_layers = set(range(split["n_cpu_moe"]))
         else:
@@ -150,6 +151,11 @@ def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_model
             assert la.backend is m.gpu_backend  # attention and norms on the GPU backend
             home = la.weights.moe.backend
             assert (home is not None and home.name == "cpu") == (la.index in cpu_layers)
+            mw = la.weights.moe
+            if mw.gate_bias is not None:  # biases live with their experts
+                on_cpu = [isinstance(v, np.ndarray)
+                          for v in (mw.router_bias, mw.gate_bias[0], mw.down_bias[-1])]
+                assert on_cpu == [la.index in cpu_layers] * 3
         # the ledger's expert bytes per device are what the backends hold
         for d in m.plan.devices:
             held = sum(d.backend.matrix_nbytes(x) for la in m.net.layers
