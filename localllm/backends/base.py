@@ -31,17 +31,20 @@ class MoESpec:
     """How one mixture-of-experts layer routes (models/moe.py reads it from the metadata)."""
     n_experts: int
     n_used: int                # experts per token (top-k)
-    gating: str = "softmax"    # router probabilities: 'softmax' or 'sigmoid'
+    # router probabilities: 'softmax', 'sigmoid', or 'softmax_weight' (top-k by logit, then
+    # a softmax over the k chosen: gpt-oss)
+    gating: str = "softmax"
     norm: bool = False         # divide the k chosen weights by their sum
     scale: float = 0.0         # factor on the weights (0 or 1: none)
-    activation: str = "silu"   # the experts' gated activation
+    activation: str = "silu"   # the experts' gated activation (glu's, or 'swiglu_oai')
 
 
 @dataclass(frozen=True)
 class MoEWeights:
     """One mixture-of-experts FFN as uploaded: the router (n_experts out, dim in), the
     experts (``upload_experts``: n_experts matrices each), and an optional shared expert
-    with an optional gate (1 out, dim in) whose sigmoid scales it."""
+    with an optional gate (1 out, dim in) whose sigmoid scales it. gpt-oss adds biases: the
+    router's (a vector of n_experts) and each expert's (tuples of one vector per expert)."""
     router: Any
     gate: Any
     up: Any
@@ -51,6 +54,10 @@ class MoEWeights:
     shared_down: Any = None
     shared_gate_inp: Any = None
     backend: Any = None   # the Backend holding them when not the layer's (its experts' home)
+    router_bias: Any = None
+    gate_bias: Any = None
+    up_bias: Any = None
+    down_bias: Any = None
 
 
 @dataclass(frozen=True)
@@ -169,14 +176,17 @@ class Backend(Protocol):
 
     def attention(self, q: Any, k: Any, v: Any, kv: KVBatch, positions: Sequence[int],
                   n_heads: int, scale: float, window: int = 0,
-                  k_balance: Sequence[float] | None = None) -> Any:
+                  k_balance: Sequence[float] | None = None, sinks: Any = None) -> Any:
         """Store k, v at ``positions`` of each token's sequence and attend causally:
         (n, n_heads * head_dim); ``kv`` is this layer's (``KVBatch.layer``). Keys of a
         rotated KV type are stored divided by ``k_balance`` (per dim, powers of two) and
-        queries multiplied by it, before the rotation (kernels/kvpages.py key_balance)."""
+        queries multiplied by it, before the rotation (kernels/kvpages.py key_balance).
+        ``sinks``: None, or float32 numpy (n_heads,) logits that join each head's softmax
+        denominator with no value (gpt-oss's attention sinks)."""
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
-        """act(gate) * up with act in {'silu', 'gelu_tanh'}."""
+        """act(gate) * up with act in {'silu', 'gelu_tanh'}, or gpt-oss's 'swiglu_oai':
+        x sigmoid(1.702 x) (y + 1) with x = min(gate, 7), y = clamp(up, -7, 7)."""
 
     def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
         """(x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias, unless None), per row."""

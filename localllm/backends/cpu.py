@@ -255,14 +255,14 @@ class CpuBackend:
                               p.layout.n_kv_heads)
 
     def attention(self, q, k, v, kv: KVBatch, positions, n_heads, scale, window=0,
-                  k_balance=None):
+                  k_balance=None, sinks=None):
         pk = self._paged(kv)
         # copies: the kernel works in place on its scratch
         q, k, v = (np.array(a, np.float32, order="C") for a in (q, k, v))
         out = np.empty_like(q)
         attn_k.paged_attention(q, k, v, pk.K, pk.V, pk.tables, pk.row_seq, pk.block_size,
                                pk.n_kv, np.asarray(positions, np.int64), int(window),
-                               float(scale), _balance(k_balance), out)
+                               float(scale), _balance(k_balance), _balance(sinks), out)
         return out
 
     def decoder_block(self, x, w, spec, positions, kv: KVBatch):
@@ -290,11 +290,7 @@ class CpuBackend:
         return x
 
     def glu(self, gate, up, act):
-        if act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unknown activation {act}")
-        out = np.empty_like(gate)
-        ops.glu(gate, up, out, act == "gelu_tanh")
-        return out
+        return cpu_moe.glu(gate, up, act)
 
     def add(self, x, y):
         ops.add_inplace(x, y)

@@ -183,7 +183,7 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
     o2 = np.empty((n, qd), np.float32)
     attn_k.paged_attention(q, k, v, kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, n_kv,
-                           positions, window, scale, w.k_balance, o2)
+                           positions, window, scale, w.k_balance, np.empty(0, np.float32), o2)
     r, s = reads(wo)
     b32, b256 = act_buffers(n, qd, r, s)
     prepare(o2, np.empty(0, np.float32), eps, o2, b32, b256)

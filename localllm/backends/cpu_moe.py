@@ -70,12 +70,40 @@ def _rows(act: mm.QuantActivations, rows: np.ndarray) -> mm.QuantActivations:
     return mm.QuantActivations(np.ascontiguousarray(act.x[rows]), pick(act.q32), pick(act.q256))
 
 
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+
+
+def glu(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+    """The backend's ``glu``: act(gate) * up, or gpt-oss's clamped SwiGLU."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act}")
+    out = np.empty_like(gate)
+    if act == "swiglu_oai":
+        ops.swiglu_oai(gate, up, out, ops.SWIGLU_OAI_ALPHA, ops.SWIGLU_OAI_LIMIT)
+    else:
+        ops.glu(gate, up, out, act == "gelu_tanh")
+    return out
+
+
 def _swiglu(act: mm.QuantActivations, gate: mm.Weight, up: mm.Weight, down: mm.Weight,
-            gelu: bool) -> np.ndarray:
+            activation: str, biases=(None, None, None)) -> np.ndarray:
+    """One expert (or the shared one) over the rows of ``act``; ``biases``: the gate's, the
+    up's and the down's, each added to its matmul's output (None: none)."""
     g, u = mm.matmul(gate, act), mm.matmul(up, act)
-    a = np.empty_like(g)
-    ops.glu(g, u, a, gelu)
-    return mm.matmul(down, _quantize_for(a, [down]))
+    if biases[0] is not None:
+        g += biases[0]
+        u += biases[1]
+    y = mm.matmul(down, _quantize_for(glu(g, u, activation), [down]))
+    if biases[2] is not None:
+        y += biases[2]
+    return y
+
+
+def expert_biases(w, e: int) -> tuple:
+    """Expert e's gate, up and down biases (Nones where the layer has none)."""
+    if w.gate_bias is None:
+        return None, None, None
+    return w.gate_bias[e], w.up_bias[e], w.down_bias[e]
 
 
 def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
@@ -87,9 +115,8 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     Returns:
         float32 (n, dim).
     """
-    if spec.activation not in ("silu", "gelu_tanh"):
+    if spec.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {spec.activation}")
-    gelu = spec.activation == "gelu_tanh"
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, dim = x.shape
     k = spec.n_used
@@ -100,6 +127,8 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
         gates.append(w.shared_gate_inp)
     act = _quantize_for(x, gates)
     logits = mm.matmul(w.router, act)
+    if w.router_bias is not None:
+        logits += w.router_bias
     ids = np.empty((n, k), np.int32)
     weights = np.empty((n, k), np.float32)
     moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
@@ -112,10 +141,10 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     for e in np.flatnonzero(np.diff(bounds)):
         pairs = order[bounds[e]:bounds[e + 1]]
         y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
-                           w.down.parts[e], gelu)
+                           w.down.parts[e], spec.activation, expert_biases(w, e))
     shared, shared_gate = _NO_SHARED, _NO_GATE
     if w.shared_up is not None:
-        shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, gelu)
+        shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, spec.activation)
         if w.shared_gate_inp is not None:
             shared_gate = np.ascontiguousarray(mm.matmul(w.shared_gate_inp, act)[:, 0])
     out = np.empty((n, dim), np.float32)

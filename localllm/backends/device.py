@@ -12,6 +12,7 @@ import numpy as np
 
 from localllm.formats.quants import row_nbytes
 from localllm.kernels import moe as moe_k
+from localllm.kernels.ops import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVBatch, KVLayout
@@ -194,14 +195,19 @@ class DeviceBackend:
         """exp(gate * (k1 + k3 gate^2)), the tanh-GELU's exponential, as float32."""
         raise NotImplementedError
 
+    def _clip(self, x: Any, lo: float | None, hi: float) -> Any:
+        """x clamped to [lo, hi] elementwise (lo None: no lower bound)."""
+        raise NotImplementedError
+
     def _embedding_rows(self, table: Any, idx: Any) -> Any:
         """Rows ``idx`` of an uploaded embedding as float32 (n, dim)."""
         raise NotImplementedError
 
     def _attend(self, q3: Any, pages: DeviceKVPages, plan: AttentionPlan, n_heads: int,
-                scale: float) -> Any:
+                scale: float, sinks: Any = None) -> Any:
         """Each sequence's queries (n, n_heads, hd) against the keys and values its plan
-        gathers, as the CPU's softmax attention: (n, n_heads, hd) float32."""
+        gathers, as the CPU's softmax attention: (n, n_heads, hd) float32; ``sinks``: None
+        or the heads' sink logits (n_heads,) on the device, in each softmax's denominator."""
         raise NotImplementedError
 
     def _kv_store(self, kv_type: str, n_slots: int, n_kv: int, hd: int) -> DeviceKVStore:
@@ -252,7 +258,7 @@ class DeviceBackend:
 
     def attention(self, q: Any, k: Any, v: Any, kv: KVBatch, positions: Sequence[int],
                   n_heads: int, scale: float, window: int = 0,
-                  k_balance: Sequence[float] | None = None) -> Any:
+                  k_balance: Sequence[float] | None = None, sinks: Any = None) -> Any:
         pages = kv.pages
         lay = pages.layout
         n, n_kv, hd = q.shape[0], lay.n_kv_heads, lay.head_dim
@@ -268,7 +274,9 @@ class DeviceBackend:
             q3, k3 = self._rotate(q3), self._rotate(k3)
         pages.k.write(write, k3)
         pages.v.write(write, self._rotate(v3) if turn_v else v3)
-        out = self._attend(q3, pages, plan, n_heads, scale)
+        if sinks is not None:
+            sinks = self._floats(np.asarray(sinks, np.float32))
+        out = self._attend(q3, pages, plan, n_heads, scale, sinks)
         if turn_v:
             out = self._rotate(out)
         return out.reshape(n, n_heads * hd)
@@ -283,6 +291,10 @@ class DeviceBackend:
             return gate / (1.0 + self._exp(-gate)) * up
         if act == "gelu_tanh":
             return gate / (1.0 + self._gelu_exp(gate)) * up
+        if act == "swiglu_oai":  # as ggml's swiglu_oai (kernels/ops.py swiglu_oai_row)
+            x = self._clip(gate, None, SWIGLU_OAI_LIMIT)
+            y = self._clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+            return x / (1.0 + self._exp(x * -SWIGLU_OAI_ALPHA)) * (y + 1.0)
         raise ValueError(f"unknown activation {act}")
 
     def act(self, x: Any, act: str) -> Any:
@@ -295,14 +307,16 @@ class DeviceBackend:
     def select_rows(self, x: Any, rows: Sequence[int]) -> Any:
         return x[self._indices(rows)]
 
-    def _swiglu(self, x: Any, gate: Any, up: Any, down: Any, act: str) -> Any:
-        g, u = self.linear(x, [gate, up])
-        return self.linear(self.glu(g, u, act), [down])[0]
+    def _swiglu(self, x: Any, gate: Any, up: Any, down: Any, act: str,
+                biases: tuple = (None, None, None)) -> Any:
+        g, u = self.linear(x, [gate, up], biases[:2])
+        return self.linear(self.glu(g, u, act), [down], biases[2:])[0]
 
     def moe_ffn(self, x: Any, w: Any, spec: Any) -> Any:
         """As the CPU's (backends/cpu_moe.py): routing on the host with the same kernel,
         each chosen expert once over its tokens, the weighted sum in rank order."""
-        logits = np.ascontiguousarray(self.to_numpy(self.linear(x, [w.router])[0]))
+        logits = self.linear(x, [w.router], [w.router_bias])[0]
+        logits = np.ascontiguousarray(self.to_numpy(logits))
         n, k = logits.shape[0], spec.n_used
         ids = np.empty((n, k), np.int32)
         weights = np.empty((n, k), np.float32)
@@ -314,8 +328,10 @@ class DeviceBackend:
         outs, pairs = [], []
         for e in np.flatnonzero(np.diff(bounds)):
             p = order[bounds[e]:bounds[e + 1]]
+            biases = ((None,) * 3 if w.gate_bias is None
+                      else (w.gate_bias[e], w.up_bias[e], w.down_bias[e]))
             outs.append(self._swiglu(self.select_rows(x, p // k), w.gate.parts[e],
-                                     w.up.parts[e], w.down.parts[e], spec.activation))
+                                     w.up.parts[e], w.down.parts[e], spec.activation, biases))
             pairs.append(p)
         back = np.empty(n * k, np.int64)  # row of (token t, slot j) in the stacked outputs
         back[np.concatenate(pairs)] = np.arange(n * k)

@@ -126,6 +126,9 @@ class MlxBackend(DeviceBackend):
     def _gelu_exp(self, gate):
         return mx.exp(gate * (GELU_K1 + GELU_K3 * gate * gate))
 
+    def _clip(self, x, lo, hi):
+        return mx.minimum(x, hi) if lo is None else mx.clip(x, lo, hi)
+
     def _embedding_rows(self, table: MlxMatrix, idx):
         return dequantize(table, idx)
 
@@ -135,7 +138,8 @@ class MlxBackend(DeviceBackend):
     def _kv_store(self, kv_type, n_slots, n_kv, hd):
         return mlx_kv.KVStore(kv_type, n_slots, n_kv, hd)
 
-    def _attend(self, q3, pages: DeviceKVPages, plan: AttentionPlan, n_heads, scale):
+    def _attend(self, q3, pages: DeviceKVPages, plan: AttentionPlan, n_heads, scale,
+                sinks=None):
         n, _, hd = q3.shape
         n_kv = pages.layout.n_kv_heads
         G = n_heads // n_kv
@@ -149,7 +153,13 @@ class MlxBackend(DeviceBackend):
             qs = qs.reshape(n_kv, G * n_s, hd)
             scores = (qs @ K.transpose(0, 2, 1)).reshape(n_kv, G, n_s, -1) * scale
             scores = mx.where(mx.array(sq.mask), scores, -math.inf)
-            p = mx.softmax(scores, axis=-1).reshape(n_kv, G * n_s, -1)
+            if sinks is not None:  # one more logit per row, with no value
+                L = scores.shape[-1]
+                sk = mx.broadcast_to(sinks.reshape(n_kv, G, 1, 1), (n_kv, G, n_s, 1))
+                p = mx.softmax(mx.concatenate([scores, sk], -1), axis=-1)[..., :L]
+            else:
+                p = mx.softmax(scores, axis=-1)
+            p = p.reshape(n_kv, G * n_s, -1)
             o = (p @ V).reshape(n_heads, n_s, hd).transpose(1, 0, 2)
             parts.append((sq.rows, o))
         if len(parts) == 1 and len(parts[0][0]) == n:

@@ -106,6 +106,9 @@ class TorchBackend(DeviceBackend):
         g = gate.double()  # float64 inside, as the CPU kernel's tanh-GELU
         return torch.exp(g * (GELU_K1 + GELU_K3 * g * g)).float()
 
+    def _clip(self, x, lo, hi):
+        return torch.clamp(x, min=lo, max=hi)
+
     def _embedding_rows(self, table: TorchEmbedding, idx):
         return dequantize_rows(table.rows[idx], table.type_name, table.dim)
 
@@ -115,7 +118,8 @@ class TorchBackend(DeviceBackend):
     def _kv_store(self, kv_type, n_slots, n_kv, hd):
         return torch_kv.KVStore(kv_type, n_slots, n_kv, hd, self.torch_device)
 
-    def _attend(self, q3, pages: DeviceKVPages, plan: AttentionPlan, n_heads, scale):
+    def _attend(self, q3, pages: DeviceKVPages, plan: AttentionPlan, n_heads, scale,
+                sinks=None):
         n, _, hd = q3.shape
         dev = self.torch_device
         out = torch.empty((n, n_heads, hd), dtype=torch.float32, device=dev)
@@ -129,7 +133,12 @@ class TorchBackend(DeviceBackend):
             mask = torch.from_numpy(sq.mask).to(dev)
             scores = (qs @ K.transpose(1, 2)) * scale
             scores = scores.masked_fill(~mask, -math.inf)
-            p = torch.softmax(scores, dim=-1)
+            if sinks is not None:  # one more logit per row, with no value
+                L = scores.shape[-1]
+                sk = sinks[:, None, None].expand(-1, scores.shape[1], 1)
+                p = torch.softmax(torch.cat([scores, sk], -1), dim=-1)[..., :L]
+            else:
+                p = torch.softmax(scores, dim=-1)
             out[rows] = (p @ V).permute(1, 0, 2)
         return out
 

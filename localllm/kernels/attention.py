@@ -146,12 +146,12 @@ def kv_write(K, V, tables, row_seq, bs, k, v, positions):
 
 
 @njit(cache=True)
-def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, out, t0, t1, kvh, c0, c1, split,
-          P, PmPl):
+def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, sinks, out, t0, t1, kvh, c0,
+          c1, split, P, PmPl):
     """Attention of tokens t0..t1-1 (one sequence, block table ``trow``) for the query heads
-    of KV head kvh, over key chunks c0..c1. Not split: the whole result into ``out``. Split:
-    per-chunk partials into P (n * H, chunks, hd) and PmPl (2, n * H, chunks) (chunk maxima
-    and sums) for _merge."""
+    of KV head kvh, over key chunks c0..c1, with the heads' sinks (log2 units, or empty).
+    Not split: the whole result into ``out``. Split: per-chunk partials into P (n * H,
+    chunks, hd) and PmPl (2, n * H, chunks) (chunk maxima and sums) for _merge."""
     n, H, hd = q.shape
     G = H // n_kv
     rows = (t1 - t0) * G
@@ -224,8 +224,11 @@ def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, out, t0, t1, kvh, 
         ri[3 * R + r] = (oo + r * hd) * 4
         ri[4 * R + r] = (wo + r * nch) * 4
     fold = not split  # a variable, not a literal: one compiled _values for both uses
+    sk = np.empty(rows if sinks.size > 0 and fold else 0, np.float32)
+    for r in range(sk.size):
+        sk[r] = sinks[kvh * G + r % G]
     _scores(fl, K, ad, bmin, ri, rows, hd, qo * 4)
-    _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold)
+    _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold, sk)
     vb = nb - bmin
     if split:
         nchunks = P.shape[1]
@@ -254,10 +257,10 @@ def _item(q, K, V, trow, bs, n_kv, npg, positions, window, c, out, t0, t1, kvh, 
 
 
 @njit(cache=True)
-def _merge(P, PmPl, positions, window, out):
+def _merge(P, PmPl, positions, window, sinks, out):
     """Combine per-chunk partials (as _item stores them when split) into ``out``, with the
-    same arithmetic as an unsplit item: weights from _weights, outputs an fma chain over
-    chunks in order of w_c * o_c, divided by the total."""
+    same arithmetic as an unsplit item: weights from _weights (with the head's sink),
+    outputs an fma chain over chunks in order of w_c * o_c, divided by the total."""
     n, H, hd = out.shape
     nchunks = P.shape[1]
     w = np.empty(nchunks, np.float32)
@@ -273,7 +276,8 @@ def _merge(P, PmPl, positions, window, out):
         cb = p // CHUNK
         for h in range(H):
             row = t * H + h
-            tot = _weights(Pm, row * nchunks, Pl, row * nchunks, w, 0, ca, cb)
+            sink = sinks[h] if sinks.size > 0 else np.float32(-np.inf)
+            tot = _weights(Pm, row * nchunks, Pl, row * nchunks, w, 0, ca, cb, sink)
             den = vf_splat(tot)
             ob = (t * H + h) * hd * 4
             for d in range(0, hd16, 16):
@@ -289,7 +293,7 @@ def _merge(P, PmPl, positions, window, out):
 
 
 @njit(cache=True, parallel=True)
-def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
+def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, sinks, out):
     """out[t, h] = softmax(scale * q[t, h] . K[j]) @ V[j] over keys j = lo..positions[t] of
     token t's own sequence.
 
@@ -303,6 +307,9 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
           o_c[d] = fma chain over its keys j in order of e_j * V_j[d], from +0;
       M = max m_c;  w_c = exp2(m_c - M);  L = fma chain over chunks of w_c * l_c, from +0;
       o[d] = (fma chain over chunks in order of w_c * o_c[d], from +0) / L.
+    With attention sinks (gpt-oss: a learned logit per head that joins the softmax's
+    denominator and adds no value), z = f32(sink[h] * log2(e)): M = max(M, z) and
+    L = L + exp2(z - M) after the chain.
 
     Args:
         q: float32 (n, H, hd), C-contiguous; H a multiple of n_kv (grouped-query attention).
@@ -311,11 +318,12 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
         positions: int64 (n,) each query's position; it sees keys lo..position.
         window: sliding window (lo = position - window + 1, at least 0), 0 for none.
         scale: score multiplier.
+        sinks: float32 (H,) each query head's sink logit, or empty for none.
         out: float32 (n, H, hd), C-contiguous; written.
     """
     n, H, hd = q.shape
     if not (_check_c3(q, n, H, hd) and _check_c3(out, n, H, hd) and n_kv > 0
-            and H % n_kv == 0):
+            and H % n_kv == 0 and (sinks.size == 0 or sinks.size == H)):
         raise ValueError("attend: shapes or layouts do not match")
     npg = _check_rows(K, V, tables, row_seq, bs, n_kv, positions, window, hd, True)
     pmax = 0
@@ -323,6 +331,9 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
         pmax = max(pmax, positions[t])
     G = H // n_kv
     c = np.float32(scale * LOG2E)
+    s2 = np.empty(sinks.size, np.float32)  # the sinks in the scores' log2 units
+    for h in range(sinks.size):
+        s2[h] = np.float32(sinks[h]) * np.float32(LOG2E)
     tile = 4 * max(1, _ROWS_PER_ITEM // (4 * G))
     # Token tiles: runs of consecutive tokens of one sequence, at most ``tile`` long.
     tiles = np.empty(n + 1, np.int64)
@@ -378,15 +389,15 @@ def attend(q, K, V, tables, row_seq, bs, n_kv, positions, window, scale, out):
             t0 = tiles[ti]
             t1 = tiles[ti + 1]
             c1 = min(nchunks, c0 + cg) - 1
-            _item(q, K, V, tables[row_seq[t0]], bs, n_kv, npg, positions, window, c, out, t0,
-                  t1, kvh, c0, c1, split, P, PmPl)
+            _item(q, K, V, tables[row_seq[t0]], bs, n_kv, npg, positions, window, c, s2, out,
+                  t0, t1, kvh, c0, c1, split, P, PmPl)
     if split:
-        _merge(P, PmPl, positions, window, out)
+        _merge(P, PmPl, positions, window, s2, out)
 
 
 @njit(cache=True)
 def paged_attention(q, k, v, K, V, tables, row_seq, bs, n_kv, positions, window, scale,
-                    kbal, out):
+                    kbal, sinks, out):
     """Store k, v in the pages and attend: attend() after kv_write(), with the rotation of
     the KV types that store vectors rotated (kvpages.ROTATED) applied around them, keys of
     such a type first divided by the key balance and queries multiplied by it.
@@ -396,6 +407,7 @@ def paged_attention(q, k, v, K, V, tables, row_seq, bs, n_kv, positions, window,
             rotated types turn them in place).
         K, V, tables, row_seq, bs, n_kv: the PagedKV fields; positions: int64 (n,).
         kbal: float32 (hd,) key balance (kvpages.key_balance), or empty for none.
+        sinks: float32 (H,) attention sinks (see attend), or empty for none.
         out: float32 (n, H * hd), written.
     """
     n = q.shape[0]
@@ -412,6 +424,6 @@ def paged_attention(q, k, v, K, V, tables, row_seq, bs, n_kv, positions, window,
     kv_write(K, V, tables, row_seq, bs, k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd),
              positions)
     attend(q.reshape(n, H, hd), K, V, tables, row_seq, bs, n_kv, positions, window, scale,
-           out.reshape(n, H, hd))
+           sinks, out.reshape(n, H, hd))
     if rotated(V):
         rotate_block(out, H, hd)

@@ -178,27 +178,36 @@ def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
 
 
 @njit(cache=True, inline="always")
-def _weights(m, mo, l, lo, w, wo, c0, c1):
-    """Chunk weights w_c = exp2(m_c - max m) of chunks c0..c1 (m[mo + c], l[lo + c] ->
-    w[wo + c]) and the total: an fma chain over chunks in order of w_c * l_c, from +0."""
+def _weights(m, mo, l, lo, w, wo, c0, c1, sink):
+    """Chunk weights w_c = exp2(m_c - M) of chunks c0..c1 (m[mo + c], l[lo + c] ->
+    w[wo + c]) and the total: an fma chain over chunks in order of w_c * l_c, from +0.
+    M = max m_c; with an attention sink (a per-head logit in log2 units, -inf for none) M
+    is also at least the sink, and the total then gains exp2(sink - M) at the end: the
+    sink joins the softmax's denominator, with no value."""
     mx = m[mo + c0]
     for c in range(c0 + 1, c1 + 1):
         if m[mo + c] > mx:
             mx = m[mo + c]
+    has_sink = sink > -np.inf
+    if has_sink and sink > mx:
+        mx = sink
     tot = np.float32(0.0)
     for c in range(c0, c1 + 1):
         wc = f32_exp2(m[mo + c] - mx)
         w[wo + c] = wc
         tot = f32_fma(wc, l[lo + c], tot)
+    if has_sink:
+        tot = tot + f32_exp2(sink - mx)
     return tot
 
 
 @njit(cache=True)
-def _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold):
+def _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold, sk):
     """Per row and chunk: the chunk's max m (fl[mo + r * nch + c - cbase]), its scores (log2
     units) turned into exp2(s - m) in place, and their sum l (at lo likewise): lane-wise over
     its key blocks in order, then a fixed lane tree. ``fold``: also the row's chunk weights
-    (at wo) and total (fl[to + r]), see _weights."""
+    (at wo) and total (fl[to + r]), see _weights, with row r's sink sk[r] (log2 units; sk
+    empty: no sinks)."""
     for r in range(rows):
         first = ri[r]
         last = ri[rows + r]
@@ -230,8 +239,9 @@ def _softmax(fl, ri, rows, cbase, mo, lo, wo, to, nch, fold):
             fl[lo + r * nch + c - cbase] = vf_hsum(acc)
         if fold:
             o = r * nch - cbase
+            sink = sk[r] if sk.size > 0 else np.float32(-np.inf)
             fl[to + r] = _weights(fl, mo + o, fl, lo + o, fl, wo + o, first // CHUNK,
-                                  last // CHUNK)
+                                  last // CHUNK, sink)
 
 
 # ----------------------------------------------------------------------------- values

@@ -13,7 +13,8 @@ from numba import prange
 
 from .jit import njit
 
-GATING = {"softmax": 0, "sigmoid": 1}
+# softmax_weight (gpt-oss): the top-k by raw logit, weighted by a softmax over those k
+GATING = {"softmax": 0, "sigmoid": 1, "softmax_weight": 2}
 # Renormalised weights divide by their sum, kept from zero as llama.cpp keeps it (the
 # smallest normal float16).
 NORM_MIN = 6.103515625e-5
@@ -24,9 +25,10 @@ def route(logits, k, gating, norm, scale, ids, weights):
     """Each token's top-k experts and their weights.
 
     Per token: probabilities p = softmax(logits) (float64 sum of exp(x - max), then times
-    f32(1 / sum)) or sigmoid(logits); the k largest in descending order, ties to the lower
-    expert; their p as weights, divided by their sum (slot order) when ``norm``, times
-    ``scale`` unless it is 0 or 1.
+    f32(1 / sum)), sigmoid(logits), or (softmax_weight) the logits themselves; the k largest
+    in descending order, ties to the lower expert; their p as weights (softmax_weight: the
+    softmax of the k chosen logits, formed as above), divided by their sum (slot order) when
+    ``norm``, times ``scale`` unless it is 0 or 1.
 
     Args:
         logits: float32 (n, n_experts) router outputs.
@@ -49,9 +51,12 @@ def route(logits, k, gating, norm, scale, ids, weights):
             inv = np.float32(1.0 / s)
             for e in range(E):
                 p[e] = p[e] * inv
-        else:
+        elif gating == 1:
             for e in range(E):
                 p[e] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-logits[t, e])))
+        else:
+            for e in range(E):
+                p[e] = logits[t, e]
         taken[:] = False
         for j in range(k):
             best = -1
@@ -61,6 +66,15 @@ def route(logits, k, gating, norm, scale, ids, weights):
             taken[best] = True
             ids[t, j] = best
             weights[t, j] = p[best]
+        if gating == 2:
+            m = weights[t, 0]  # the largest: slots go in descending order
+            s = 0.0
+            for j in range(k):
+                weights[t, j] = np.float32(math.exp(np.float32(weights[t, j] - m)))
+                s += np.float64(weights[t, j])
+            inv = np.float32(1.0 / s)
+            for j in range(k):
+                weights[t, j] = weights[t, j] * inv
         if norm:
             s32 = np.float32(0.0)
             for j in range(k):

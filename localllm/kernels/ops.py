@@ -366,6 +366,33 @@ def gelu_tanh_mul(gate, up, out):
     glu(gate, up, out, True)
 
 
+# gpt-oss's clamped SwiGLU (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants)
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+@njit(cache=True)
+def swiglu_oai_row(gate, up, out, alpha, limit):
+    """gpt-oss's clamped SwiGLU over one row, as ggml's swiglu_oai computes it in float32:
+    x = min(g, limit), y = clamp(u, -limit, limit), out = x / (1 + exp(-alpha x)) * (y + 1)."""
+    a = np.float32(alpha)
+    lim = np.float32(limit)
+    one = np.float32(1.0)
+    for i in range(gate.shape[0]):
+        x = min(gate[i], lim)
+        y = max(min(up[i], lim), -lim)
+        out[i] = x / (one + np.float32(math.exp(a * -x))) * (y + one)
+
+
+@njit(cache=True, parallel=True)
+def swiglu_oai(gate, up, out, alpha, limit):
+    """swiglu_oai_row over (n, F) rows (out may alias gate or up)."""
+    _check_same_shape(gate, up)
+    _check_same_shape(gate, out)
+    for t in prange(gate.shape[0]):
+        swiglu_oai_row(gate[t], up[t], out[t], alpha, limit)
+
+
 # ----------------------------------------------------------------------------- residual add
 
 @njit(cache=True)

@@ -10,7 +10,8 @@ from .common import ModelError, UnsupportedModel
 ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "qwen2": "qwen2", "qwen3": "qwen3",
                  "phi3": "phi3", "smollm3": "smollm3", "mistral3": "mistral3",
                  "bert": "bert", "nomic-bert": "bert",
-                 "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe"}
+                 "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe",
+                 "gpt-oss": "gptoss"}
 ALIASES = {"mistral": "llama"}
 
 

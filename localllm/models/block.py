@@ -51,6 +51,8 @@ class BlockWeights:
     post_attn_norm: Any = None   # RMSNorm of the attention / FFN output before the residual
     post_ffn_norm: Any = None
     moe: Any = None              # MoEWeights in place of w_gate/w_up/w_down (then None)
+    bo: Any = None               # the attention output's bias (gpt-oss)
+    sinks: Any = None            # per-head attention sink logits, float32 numpy (gpt-oss)
 
 
 def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
@@ -73,8 +75,9 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
         k = be.head_norm(k, 1 if whole else s.n_kv_heads, w.k_norm, s.norm_eps)
     q = be.rope(q, s.n_heads, positions, s.q_rope or s.rope)
     k = be.rope(k, s.n_kv_heads, positions, s.rope)
-    o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window, s.k_balance)
-    o = be.linear(o, [w.wo])[0]
+    o = be.attention(q, k, v, kv, positions, s.n_heads, s.attn_scale, s.window, s.k_balance,
+                     w.sinks)
+    o = be.linear(o, [w.wo], [w.bo])[0]
     if w.post_attn_norm is not None:
         o = be.rms_norm(o, w.post_attn_norm, s.norm_eps)
     x = be.add(x, o)
@@ -96,8 +99,9 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
 
 def run_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions, kv: KVBatch):
     """The block on the backend's native path when it has one, else composed from ops (the
-    native blocks have dense FFNs and rotate queries and keys alike)."""
+    native blocks have dense FFNs, no output bias or sinks, and rotate queries and keys
+    alike)."""
     if (be.fused_blocks and w.moe is None and not spec.qk_norm_whole
-            and spec.q_rope is None):
+            and spec.q_rope is None and w.bo is None and w.sinks is None):
         return be.decoder_block(x, w, spec, positions, kv)
     return compose_block(be, x, w, spec, positions, kv)

@@ -217,6 +217,19 @@ class WeightLoader:
         return be.upload_experts(name, info.type_name, self.file.raw(name), n_experts, N, K,
                                  done)
 
+    def expert_vectors(self, name: str, n_experts: int, n: int) -> tuple:
+        """A float 2-D tensor of one vector of n per expert (gpt-oss's expert biases), as
+        n_experts float32 vectors on the backend of its layer's experts."""
+        info = self._info(name, (n_experts, n))
+        if info.type_name not in ("F32", "F16", "BF16"):
+            raise ModelError(f"tensor {name!r} has type {info.type_name}; expected a float type")
+        from localllm.formats.dequant import dequantize
+        values = dequantize(self.file.raw(name), info.type_name, (n_experts, n))
+        if not all(math.isfinite(x) for x in values.reshape(-1).tolist()):
+            raise ModelError(f"tensor {name!r} holds non-finite values")
+        be = self.backend_for(name)
+        return tuple(be.upload_vector(values[e].copy()) for e in range(n_experts))
+
     def row_matrix(self, name: str, K: int):
         """A 1-D tensor of K weights used as a (1, K) matrix (a shared expert's gate)."""
         info = self._info(name, (K,))

@@ -175,6 +175,7 @@ class Model(Net):
     rope_neox = False   # GGUF llama weights are permuted for adjacent-pair rotation
     activation = "silu"
     moe_norm = True     # renormalise the chosen experts' weights (Mixtral does)
+    moe_gating = "softmax"  # the router's gating (MoESpec.gating)
 
     def __init__(self, args: ModelArgs, w: WeightLoader, ctx: int = 0):
         """Args: args: the file's ModelArgs; w: its tensors; ctx: the context size the model
@@ -190,7 +191,8 @@ class Model(Net):
             weights = self.load_block(w, i)
             spec = self.balanced(w, i, self.block_spec(i))
             if weights.moe is not None:
-                spec = replace(spec, moe=moe.spec(a, self.moe_norm, self.activation))
+                spec = replace(spec, moe=moe.spec(a, self.moe_norm, self.activation,
+                                                  self.moe_gating))
             self.layers.append(PlacedLayer(i, w.placement.layers[i], weights, spec))
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"

@@ -71,7 +71,8 @@ def load(w: WeightLoader, i: int, a) -> MoEWeights:
                       **shared)
 
 
-def spec(a, norm: bool, activation: str = "silu") -> MoESpec:
-    """The routing of a model's expert layers (softmax gating, as llama.cpp runs these
-    architectures; ``norm``: the architecture renormalises the top-k weights)."""
-    return MoESpec(a.n_experts, a.n_experts_used, "softmax", norm, 0.0, activation)
+def spec(a, norm: bool, activation: str = "silu", gating: str = "softmax") -> MoESpec:
+    """The routing of a model's expert layers (softmax gating unless the architecture says
+    otherwise, as llama.cpp runs them; ``norm``: the architecture renormalises the top-k
+    weights)."""
+    return MoESpec(a.n_experts, a.n_experts_used, gating, norm, 0.0, activation)

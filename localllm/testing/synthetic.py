@@ -62,6 +62,10 @@ class Spec:
     expert_hidden: int = 0           # each expert's width
     shared_hidden: int = 0           # a shared expert with a sigmoid gate (Qwen2-MoE); 0: none
     qk_norm_whole: bool = False      # OLMoE's QK-norm over all heads at once
+    gptoss: bool = False             # gpt-oss's extras: attention sinks, the attention
+    #                                  output's, router's and experts' biases, the pre-FFN
+    #                                  norm named post_attention_norm
+    ffn_in_gain: float = 1.0         # experts' gate/up outputs times this (their down / it^2)
 
 
 PHI3_TYPES = {"attn": "Q8_0", "attn_output": "BF16", "ffn": "F16", "ffn_down": "Q6_K",
@@ -129,6 +133,21 @@ MOE_SPECS = {
                     context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256,
                     block_gain=0.25),
 }
+
+MOE_SPECS["gptoss"] = Spec(
+    # gpt-oss-20b's shape scaled down: 8 query heads of 64 over 2 KV heads, 4 layers (the
+    # even ones sliding over 128 tokens), YaRN 32x over 4096 on a 131072 context, MXFP4
+    # experts (top-4 of 8) whose gate inputs reach the SwiGLU clamp at 7 now and then
+    "gpt-oss", {"attn": "Q8_0", "attn_output": "F16", "exps": "MXFP4", "exps_down": "MXFP4",
+                "embd": "Q8_0", "output": "F16"},
+    dim=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64, rope_theta=150000.0,
+    context_length=131072, qkv_bias=True, n_experts=8, n_used=4, hidden_dim=256,
+    expert_hidden=256, block_gain=0.25, gptoss=True, ffn_in_gain=2.5,
+    meta={"attention.sliding_window": (128, GGUFValueType.UINT32),
+          "rope.scaling.type": ("yarn", GGUFValueType.STRING),
+          "rope.scaling.factor": (32.0, GGUFValueType.FLOAT32),
+          "rope.scaling.original_context_length": (4096, GGUFValueType.UINT32)})
+
 
 # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context): the
 # converter writes the type, factor and original context; llama.cpp fixes the rest.
@@ -242,10 +261,12 @@ def _expert_matrices(s: Spec, p: str) -> list[tuple]:
     """A layer's router (logits of std 2 on unit-rms inputs, so that most tokens have a
     clear top-k), experts (the N of a stack is experts x rows) and shared expert."""
     t, unit, F, E = s.types, 1 / math.sqrt(s.dim), s.expert_hidden, s.n_experts
+    g = s.ffn_in_gain
     out = [(p + "ffn_gate_inp.weight", "F32", E, s.dim, 2 * unit)]
-    out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, unit) for x in ("gate", "up")]
+    out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, g * unit)
+            for x in ("gate", "up")]
     out.append((p + "ffn_down_exps.weight", t["exps_down"], E * s.dim, F,
-                s.block_gain / math.sqrt(F)))
+                s.block_gain / math.sqrt(F) / g ** 2))
     if s.shared_hidden:
         S = s.shared_hidden
         out += [(p + f"ffn_{x}_shexp.weight", t["ffn"], S, s.dim, unit) for x in ("gate", "up")]
@@ -268,10 +289,13 @@ def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
     out = []
     for i in range(s.n_layers):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", norm(s.dim)), (p + "ffn_norm.weight", norm(s.dim))]
+        ffn_norm = "post_attention_norm" if s.gptoss else "ffn_norm"
+        out += [(p + "attn_norm.weight", norm(s.dim)), (p + f"{ffn_norm}.weight", norm(s.dim))]
         if s.qkv_bias:
             out += [(p + f"attn_{x}.bias", (0.5 * rng.standard_normal(n)).astype(np.float32))
                     for x, n in (("q", qd), ("k", kvd), ("v", kvd))]
+        if s.gptoss:
+            out += _gptoss_vectors(s, p, rng)
         if s.qk_norm:
             # (QK-norm leaves unit-rms heads: larger weights keep attention selective)
             qn, kn = (qd, kvd) if s.qk_norm_whole else (s.head_dim, s.head_dim)
@@ -289,6 +313,20 @@ def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
         out += [("rope_factors_long.weight", (1 + 7 * ramp ** 2).astype(np.float32)),
                 ("rope_factors_short.weight", (1 + 0.1 * ramp).astype(np.float32))]
     return out
+
+
+def _gptoss_vectors(s: Spec, p: str, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
+    """A gpt-oss layer's sinks (logits around the scores' own size, so that they take a
+    good share of some heads' attention), the attention output's bias, the router's bias and
+    the experts' biases (float32, the experts' (n_experts, rows))."""
+    E, F, g = s.n_experts, s.expert_hidden, s.ffn_in_gain
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    return [(p + "attn_sinks.weight", f32(1.0 + 1.5 * rng.standard_normal(s.n_heads))),
+            (p + "attn_output.bias", f32(0.05 * rng.standard_normal(s.dim))),
+            (p + "ffn_gate_inp.bias", f32(0.5 * rng.standard_normal(E))),
+            (p + "ffn_gate_exps.bias", f32(0.5 * g * rng.standard_normal((E, F)))),
+            (p + "ffn_up_exps.bias", f32(0.5 * g * rng.standard_normal((E, F)))),
+            (p + "ffn_down_exps.bias", f32(0.02 * rng.standard_normal((E, s.dim))))]
 
 
 def _head(s: Spec, embd: np.ndarray, out_norm: np.ndarray, rng: np.random.Generator) -> np.ndarray:

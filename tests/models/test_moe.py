@@ -1,5 +1,5 @@
 """Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE,
-Mixtral as llama with experts) on small synthetic files, byte for byte the ones
+Mixtral as llama with experts, gpt-oss) on small synthetic files, byte for byte the ones
 scripts/make_synthetic.py --moe sent through llama.cpp: logits and greedy continuations
 against llama.cpp's, batch invariance, and the torch and MLX stand-ins against the CPU."""
 
@@ -86,16 +86,17 @@ def test_greedy_continuations_agree_with_llama_cpp(moe_models, case):
     assert hits / total >= GREEDY_MIN
 
 
-@pytest.mark.parametrize("name", ["qwen2moe", "mixtral"])
-def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name):
-    """A token's experts see the same rows whichever other tokens share them."""
+@pytest.mark.parametrize("name,n", [("qwen2moe", 64), ("mixtral", 64), ("gptoss", 200)])
+def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name, n):
+    """A token's experts see the same rows whichever other tokens share them (gpt-oss: past
+    its 128-token windows, with its sinks)."""
     m = moe_models(name)
-    ids = load_case(name)["ids"][:64].tolist()
+    ids = load_case(name)["ids"][:n].tolist()
     whole = m.logits(ids)
     for sizes in ([1] * len(ids), [5, 17, 1, 9, 32]):
         seq = m.new_sequence()
         parts, pos = [], 0
-        for size in sizes:
+        for size in sizes + [len(ids) - sum(sizes)] * (sum(sizes) < len(ids)):
             parts.append(seq.feed(ids[pos:pos + size], all_logits=True))
             pos += size
         seq.release()
@@ -104,7 +105,7 @@ def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
-@pytest.mark.parametrize("name", ["qwen2moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen2moe", "olmoe", "gptoss"])
 def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name):
     pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
     ids = load_case(name)["ids"].tolist()
@@ -125,22 +126,23 @@ def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name
 
 # ---------------------------------------------------------------------------- the split
 
-SPLITS = [("torch", {"cpu_moe": True}), ("torch", {"n_cpu_moe": 1}),
-          ("mlx", {"cpu_moe": True}), ("torch", {"override_tensor": ("blk\\.1\\.ffn_.*_exps=CPU",)})]
+SPLITS = [("torch", {"cpu_moe": True}, "qwen2moe"), ("torch", {"n_cpu_moe": 1}, "qwen2moe"),
+          ("mlx", {"cpu_moe": True}, "qwen2moe"),
+          ("torch", {"override_tensor": ("blk\\.1\\.ffn_.*_exps=CPU",)}, "qwen2moe"),
+          ("torch", {"n_cpu_moe": 3}, "gptoss")]  # its router and expert biases follow
 
 
-@pytest.mark.parametrize("backend, split", SPLITS)
+@pytest.mark.parametrize("backend, split, name", SPLITS)
 def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_models, backend,
-                                                            split):
+                                                            split, name):
     pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
-    name = "qwen2moe"
     ids = load_case(name)["ids"].tolist()
     want = log_softmax(moe_models(name).logits(ids))
     m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
                       backend=backend, gpu_layers="all", **split)
     try:
         if "cpu_moe" in split:
-            cpu_layers = {0, 1}
+            cpu_layers = set(range(len(m.net.layers)))
         elif "n_cpu_moe" in split:
             cpu_layers = set(range(split["n_cpu_moe"]))
         else:
@@ -149,6 +151,11 @@ def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_model
             assert la.backend is m.gpu_backend  # attention and norms on the GPU backend
             home = la.weights.moe.backend
             assert (home is not None and home.name == "cpu") == (la.index in cpu_layers)
+            mw = la.weights.moe
+            if mw.gate_bias is not None:  # biases live with their experts
+                on_cpu = [isinstance(v, np.ndarray)
+                          for v in (mw.router_bias, mw.gate_bias[0], mw.down_bias[-1])]
+                assert on_cpu == [la.index in cpu_layers] * 3
         # the ledger's expert bytes per device are what the backends hold
         for d in m.plan.devices:
             held = sum(d.backend.matrix_nbytes(x) for la in m.net.layers
@@ -247,3 +254,70 @@ def test_auto_fills_the_gpu_with_attention_first_then_experts(moe_files):
         # a rule the user gave still decides the tensors it names
         p = plan("auto", whole, tensor_rules(("blk\\.1\\.ffn_.*_exps=CPU",)))
         assert p.gpu_layers == 2 and p.devices[1].expert_bytes == p.devices[0].expert_bytes > 0
+
+
+# ---------------------------------------------------------------------------- gpt-oss's windows
+
+def test_gptoss_turns_reprocess_nothing_and_windows_stay_bounded(moe_files):
+    """The KV machinery as it is, on gpt-oss's 128-token windows: each turn of a growing
+    conversation runs only its new text, the sliding layers hold about a window of blocks,
+    and the last answer regenerated (from its checkpoint) and from scratch is the same."""
+    m = localllm.load(moe_files["gptoss"], ctx_size=1024, threads=2, weight_cache=False)
+    try:
+        passage = load_case("gptoss")["passage"]
+        seq = m.new_sequence()
+        conv = m.tokenize("A conversation.\n")
+        bs = m.kv_stats().block_size
+        window_blocks = 128 // bs + 2
+        sliding = next(i for i, g in enumerate(m.kv.cache.groups) if g.window)
+        assert m.kv.cache.groups[sliding].window == 128
+        for turn in range(3):
+            user = m.tokenize(f"\nQ{turn}: {passage[:300 + 100 * turn]}\nA:",
+                              add_special=False)
+            prompt = conv + user
+            g = m.generate(prompt, seq=seq, temperature=0, max_tokens=150 if turn == 2 else 40,
+                           ignore_eos=True)
+            reply = [t for c in g for t in c.tokens]
+            if turn:  # only the new text, and the reply's last token (sampled, never run)
+                assert g.stats.prompt_tokens - g.stats.cached_tokens == len(user) + 1
+            assert m.kv.cache.held_blocks(seq.kv, sliding) <= window_blocks
+            conv = prompt + reply
+        regen = m.generate(prompt, seq=seq, temperature=0, max_tokens=30, ignore_eos=True)
+        again = [t for c in regen for t in c.tokens]
+        assert regen.stats.cached_tokens == len(prompt) - 1
+        assert again == reply[:30]
+        seq.release()
+        m.forget_cached()
+        scratch = m.generate(prompt, temperature=0, max_tokens=30, ignore_eos=True)
+        assert [t for c in scratch for t in c.tokens] == again
+        assert scratch.stats.cached_tokens == 0
+    finally:
+        m.close()
+
+
+def test_llm_run_on_gptoss_with_the_harmony_template(tmp_path, metas):
+    """`llm run` end to end on the synthetic gpt-oss file carrying gpt-oss's own chat
+    template (llama.cpp's models/templates/openai-gpt-oss-120b.jinja): the prompt is
+    rendered in harmony's shape and the output split as harmony (this random model writes
+    no channels, so all of it is the answer, on stdout)."""
+    import os
+    from localllm.formats.fetch import vocab_suite_dir
+    from localllm.text.reasoning import style_of_template
+    from support.cli import llm
+    folder = Path(os.environ.get("LLAMA_CPP_TEMPLATES") or vocab_suite_dir() / "templates")
+    src = folder / "openai-gpt-oss-120b.jinja"
+    if not src.is_file():
+        pytest.skip("no templates: `python scripts/fetch_models.py --vocab-suite`")
+    path = synthetic.write("gptoss", tmp_path / "gptoss.gguf",
+                           {**metas["smollm"], "tokenizer.chat_template": src.read_text()})
+    m = localllm.load(path, ctx_size=1024, threads=2, weight_cache=False)
+    try:
+        assert style_of_template(m.template.source) == "harmony"
+        prompt = m.template.render([{"role": "user", "content": "What is 5+5?"}], True)
+        assert "<|start|>user<|message|>What is 5+5?<|end|>" in prompt
+        assert prompt.endswith("<|start|>assistant")
+    finally:
+        m.close()
+    r = llm("run", str(path), "-p", "What is 5+5?", "-n", "12", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()

@@ -42,12 +42,13 @@ class Cache:
         attn.kv_write(self.K, self.V, self.tables, rs, self.bs, np.ascontiguousarray(k),
                       np.ascontiguousarray(v), np.asarray(pos, np.int64))
 
-    def attend(self, q, pos, window, scale, seqs=None):
+    def attend(self, q, pos, window, scale, seqs=None, sinks=None):
         q = np.ascontiguousarray(q, np.float32)
         rs = np.zeros(len(pos), np.int32) if seqs is None else np.asarray(seqs, np.int32)
         out = np.empty_like(q)
+        sinks = np.zeros(0, np.float32) if sinks is None else np.asarray(sinks, np.float32)
         attn.attend(q, self.K, self.V, self.tables, rs, self.bs, self.n_kv,
-                    np.asarray(pos, np.int64), window, scale, out)
+                    np.asarray(pos, np.int64), window, scale, sinks, out)
         return out
 
     # ---- what the pages hold, decoded independently of the kernels

@@ -7,6 +7,7 @@ Run as a script (``python test_attention.py OUT.npz``) it saves the fixed ISA wo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -27,8 +28,9 @@ from support.kv_pages import CTX, E4M3, Cache
 KV_TYPES = ("f16", "bf16", "fp8", "q8_0", "q4_0")
 
 
-def reference(q, keys, vals, positions, window, scale):
-    """Causal GQA attention with a sliding window in float64 over the stored keys/values."""
+def reference(q, keys, vals, positions, window, scale, sinks=None):
+    """Causal GQA attention with a sliding window in float64 over the stored keys/values;
+    ``sinks``: per-head logits that join each softmax's denominator."""
     n, H, hd = q.shape
     G = H // keys.shape[0]
     out = np.zeros((n, H, hd))
@@ -36,8 +38,10 @@ def reference(q, keys, vals, positions, window, scale):
         lo = max(0, p - window + 1) if window > 0 else 0
         for h in range(H):
             s = keys[h // G, lo:p + 1] @ q[t, h].astype(np.float64) * scale
-            e = np.exp(s - s.max())
-            out[t, h] = e @ vals[h // G, lo:p + 1] / e.sum()
+            m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            e = np.exp(s - m)
+            den = e.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+            out[t, h] = e @ vals[h // G, lo:p + 1] / den
     return out
 
 
@@ -181,7 +185,7 @@ def test_rotation_is_orthonormal_and_cuts_quantization_error():
         out = np.empty_like(q)
         if rotate:
             attn.paged_attention(q.copy(), k.copy(), v.copy(), c.K, c.V, c.tables,
-                                 np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, NO_BALANCE, out)
+                                 np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, NO_BALANCE, NO_BALANCE, out)
         else:
             c.write(k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd), pos)
             out = c.attend(q.reshape(n, H, hd), pos, 0, 0.05).reshape(n, -1)
@@ -191,7 +195,7 @@ def test_rotation_is_orthonormal_and_cuts_quantization_error():
     c1, c2 = Cache("f16", n_kv, hd), Cache("f16", n_kv, hd)
     out = np.empty_like(q)
     attn.paged_attention(q.copy(), k.copy(), v.copy(), c1.K, c1.V, c1.tables,
-                         np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, NO_BALANCE, out)
+                         np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.05, NO_BALANCE, NO_BALANCE, out)
     c2.write(k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd), pos)
     np.testing.assert_array_equal(bits(out.reshape(n, H, hd)),
                                   bits(c2.attend(q.reshape(n, H, hd), pos, 0, 0.05)))
@@ -237,7 +241,8 @@ def test_key_balance_cuts_the_error_of_outlier_key_dims():
         c = Cache("q4_0", n_kv, hd)
         out = np.empty_like(q)
         attn.paged_attention(q.copy(), k.copy(), v.copy(), c.K, c.V, c.tables,
-                             np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.12, bal, out)
+                             np.zeros(n, np.int32), 16, n_kv, pos, 0, 0.12, bal, NO_BALANCE,
+                             out)
         errs.append(np.abs(out - want).mean())
     assert errs[1] < 0.85 * errs[0], errs  # 0.74x here; Gemma 3's keys gain far more
 
@@ -271,7 +276,7 @@ def test_rejects_bad_tables_positions_and_layouts():
     with pytest.raises(ValueError):  # a strided query array
         attn.attend(np.zeros((4, 2, 16), np.float32)[::2], c.K, c.V, c.tables,
                     np.zeros(2, np.int32), 16, 1, np.zeros(2, np.int64), 0, 1.0,
-                    np.zeros((2, 2, 16), np.float32))
+                    np.zeros(0, np.float32), np.zeros((2, 2, 16), np.float32))
 
 
 def test_empty_batch():
@@ -306,6 +311,29 @@ def test_matches_float64_reference(H, n_kv, hd, window, spread, kind):
     assert np.abs(one - want[-1:]).max() / np.abs(want[-1]).max() < 1e-5
 
 
+@pytest.mark.parametrize("H,n_kv,hd,window,kind", [
+    (8, 2, 64, 0, "f16"), (8, 2, 64, 128, "f16"), (6, 3, 96, 17, "q8_0"), (4, 1, 256, 0, "fp8")])
+def test_sinks_match_float64_reference(H, n_kv, hd, window, kind):
+    """gpt-oss's attention sinks: a per-head logit in the softmax's denominator. Sinks from
+    far below to far above the scores; removing them changes the result."""
+    n = 300
+    q, c, _, _ = filled(n_kv, H, hd, n, seed=hd + H + 1, kind=kind)
+    keys, vals = c.stored(n)
+    scale = 1.0 / np.sqrt(hd)
+    pos = np.arange(n)
+    sinks = np.linspace(-6.0, 8.0, H).astype(np.float32)
+    want = reference(q, keys, vals, pos, window, scale, sinks)
+    for rows in (slice(None), slice(n - 1, n)):  # a prompt, and decode (keys split)
+        out = c.attend(q[rows], pos[rows], window, scale, sinks=sinks)
+        err = np.abs(out - want[rows]).max() / np.abs(want[rows]).max()
+        assert err < 1e-5, err
+    plain = c.attend(q, pos, window, scale)
+    assert np.abs(plain - want).max() > 0.1 * np.abs(want).max()
+    # sinks of -inf are no sinks, bit for bit
+    none = c.attend(q, pos, window, scale, sinks=np.full(H, -np.inf, np.float32))
+    np.testing.assert_array_equal(bits(none), bits(plain))
+
+
 # ----------------------------------------------------------------------------- invariance
 
 # (head_dim, query heads per KV head, window, KV heads, KV type): each batch size below takes
@@ -315,15 +343,21 @@ INVARIANCE_CASES = [(hd, G, window, 2 if G != 4 else 1, "f16")
 INVARIANCE_CASES += [(64, 1, 0, 4, "f16"), (256, 2, 32, 4, "f16")]
 INVARIANCE_CASES += [(64, 3, 0, 3, t) for t in ("bf16", "fp8", "q8_0", "q4_0")]
 INVARIANCE_CASES += [(256, 4, 32, 1, t) for t in ("fp8", "q8_0", "q4_0")]
+# with attention sinks (gpt-oss: 8 query heads per KV head, windows of 128)
+SINK_CASES = [(64, 8, 128, 1, "f16"), (64, 2, 0, 4, "q8_0")]
 
 
-@pytest.mark.parametrize("hd,G,window,n_kv,kind", INVARIANCE_CASES)
-def test_batch_invariant_bits(hd, G, window, n_kv, kind):
+@pytest.mark.parametrize("hd,G,window,n_kv,kind,sinks",
+                         [(*c, False) for c in INVARIANCE_CASES]
+                         + [(*c, True) for c in SINK_CASES])
+def test_batch_invariant_bits(hd, G, window, n_kv, kind, sinks):
     H = G * n_kv
     n = 300
     q, c, k, v = filled(n_kv, H, hd, n, seed=7 * hd + G + window, kind=kind)
     scale = 0.7 / np.sqrt(hd)
     pos = np.arange(n)
+    sk = np.linspace(-2.0, 3.0, H).astype(np.float32) if sinks else None
+    c.attend = functools.partial(c.attend, sinks=sk)
     full = c.attend(q, pos, window, scale)
     rng = np.random.default_rng(hd + G + window)
     # Arbitrary subsets of queries, in any order, computed alone or in small batches.
@@ -335,6 +369,7 @@ def test_batch_invariant_bits(hd, G, window, n_kv, kind):
     # A prompt processed in chunks, each written just before its attention, into pages
     # placed differently: a chunk's own keys are read as stored, like a later step's.
     c2 = Cache(kind, n_kv, hd, seed=99)
+    c2.attend = functools.partial(c2.attend, sinks=sk)
     out = np.empty_like(full)
     for a, b in ((0, 1), (1, 6), (6, 70), (70, 71), (71, 300)):
         c2.write(k[a:b], v[a:b], pos[a:b])

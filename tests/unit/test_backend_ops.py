@@ -259,7 +259,8 @@ def test_kv_types_store_the_cpu_backends_values_exactly(be, kind, hd):
     attn.paged_attention(q.copy(), k.reshape(n, -1).copy(), v.reshape(n, -1).copy(), ref.K,
                          ref.V, ref.tables, np.zeros(n, np.int32), ref.bs, n_kv,
                          np.arange(n, dtype=np.int64), 0, 0.125,
-                         np.zeros(0, np.float32) if bal is None else bal, out_ref)
+                         np.zeros(0, np.float32) if bal is None else bal,
+                         np.zeros(0, np.float32), out_ref)
     want_k, want_v = ref.stored(n)  # (n_kv, n, hd), decoded from the CPU pages
     layout = KVLayout(n_kv, hd, 16, kind, kind)
     pages = be.new_kv_pages(layout, 4)

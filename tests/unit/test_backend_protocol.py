@@ -12,10 +12,12 @@ import typing
 import numpy as np
 import pytest
 
-from localllm.backends.base import Backend, KVBatch, KVLayout, MemoryInfo, RopeSpec
+from localllm.backends.base import (Backend, KVBatch, KVLayout, MemoryInfo, MoESpec,
+                                    MoEWeights, RopeSpec)
 from localllm.backends.cpu import CpuBackend
 from localllm.formats.gguf import GGUFFile
 from localllm.models.block import BlockSpec, BlockWeights, compose_block
+from localllm.testing.kernel_data import random_weight
 from support.backends import (TOL_ATTENTION, TOL_CONVERTED, TOL_FLOAT_OP, TOL_LINEAR, _backends,
                               check, rnd)
 
@@ -114,6 +116,24 @@ def _upload(b, f: GGUFFile):
     return BlockWeights(**w), table
 
 
+def _experts(b, seed: int = 3) -> MoEWeights:
+    """A small mixture-of-experts FFN on backend b (4 Q8_0 experts of width 64, an F32
+    router) with gpt-oss's router and expert biases; the same values on every backend."""
+    rng = np.random.default_rng(seed)
+    E, F = 4, 64
+    router = (rng.standard_normal((E, DIM)) * 0.05).astype(np.float32)
+    stack = {x: random_weight("Q8_0", E * n, k, rng)
+             for x, n, k in (("gate", F, DIM), ("up", F, DIM), ("down", DIM, F))}
+    bias = {x: (0.5 * rng.standard_normal((E, n))).astype(np.float32)
+            for x, n in (("gate", F), ("up", F), ("down", DIM))}
+    shape = {"gate": (F, DIM), "up": (F, DIM), "down": (DIM, F)}
+    return MoEWeights(
+        router=b.upload_matrix("r", "F32", router.view(np.uint8).reshape(-1), E, DIM),
+        **{x: b.upload_experts(x, "Q8_0", stack[x], E, *shape[x]) for x in stack},
+        router_bias=b.upload_vector(rng.standard_normal(E).astype(np.float32)),
+        **{f"{x}_bias": tuple(b.upload_vector(r) for r in bias[x]) for x in bias})
+
+
 def _linear_tol(b, f: GGUFFile, tensor: str) -> float:
     fmt = f.tensors[f"blk.0.{tensor}.weight"].type_name
     return TOL_CONVERTED.get(fmt, TOL_LINEAR) if b.name == "mlx" else TOL_LINEAR
@@ -147,6 +167,8 @@ def _attention_steps(p: Pair, kind: str, rng):
     assert b.held_nbytes() - held >= 8 * b.kv_block_nbytes(layout)
     ref_pages = ref.new_kv_pages(layout, 8)
     bal = tuple(float(x) for x in 2.0 ** rng.integers(-2, 3, HD)) if kind == "q8_0" else None
+    # attention sinks (gpt-oss) on the q8_0 pass
+    sinks = (2 * rng.standard_normal(H)).astype(np.float32) if kind == "q8_0" else None
     window = 8 if kind == "q8_0" else 0
     tables = np.array([[3, 0], [5, -1]], np.int32)
     steps = [([0] * 20 + [1] * 7, list(range(20)) + list(range(7))), ([1, 0], [7, 20])]
@@ -157,9 +179,9 @@ def _attention_steps(p: Pair, kind: str, rng):
         pos = np.array(pos, np.int64)
         rs = np.array(row_seq, np.int32)
         got = b.attention(b.from_numpy(q), b.from_numpy(k), b.from_numpy(v),
-                          KVBatch(pages, tables, rs, 16), pos, H, 0.0625, window, bal)
+                          KVBatch(pages, tables, rs, 16), pos, H, 0.0625, window, bal, sinks)
         want = ref.attention(q, k, v, KVBatch(ref_pages, tables, rs, 16), pos, H, 0.0625,
-                             window, bal)
+                             window, bal, sinks)
         check(f"{b.name} attention {kind} step {i}", b.to_numpy(got), want, TOL_ATTENTION)
     # A fork of the first sequence: its two blocks copied, then the same token attends
     # through the copies and through the originals, with the same bits.
@@ -228,9 +250,16 @@ def test_runs_every_protocol_method_against_the_cpu_backend(be, cpu, gemma):
         _attention_steps(p, kind, rng)
 
     gate, up = rnd(rng, n, 2048, scale=3.0), rnd(rng, n, 2048)
-    for act in ("silu", "gelu_tanh"):
+    for act in ("silu", "gelu_tanh", "swiglu_oai"):
         got, want = p.both(lambda b, w, g, u: b.glu(g, u, act), gate, up)
         check(f"{be.name} glu {act}", got, want, TOL_FLOAT_OP)
+    moe, moe_r = _experts(rec), _experts(cpu)
+    spec = MoESpec(4, 2, "softmax_weight", False, 0.0, "swiglu_oai")
+    # unit-scale inputs: Gemma's hidden states have outlier dims that the CPU's 8-bit
+    # activations for Q8_0 experts would blur far more than the backends' float ones
+    xm = rnd(rng, 12, DIM)
+    got = rec.to_numpy(rec.moe_ffn(rec.from_numpy(xm.copy()), moe, spec))
+    check(f"{be.name} moe_ffn", got, cpu.moe_ffn(xm.copy(), moe_r, spec), 2 * TOL_LINEAR)
     # the encoders' operations (models/bert.py)
     nb = rnd(rng, DIM)
     got, want = p.both(lambda b, w, x, c: b.layer_norm(x, w.attn_norm, c, EPS), x, nb)
