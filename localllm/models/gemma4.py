@@ -15,9 +15,14 @@ QK-norm, GELU-tanh gated FFN) with
 - per-layer token embeddings (``embedding_length_per_layer_input`` > 0): a second embedding
   of width layers x P, plus a projection of the scaled token embedding (RMS-normed per layer),
   give each layer a P-wide input that gates a GELU bottleneck added after its FFN;
-- an optional scalar per layer (``layer_output_scale``) and the final logit softcap.
-
-The optional MoE layers (``ffn_gate_inp``) are not run: such files are refused.
+- an optional scalar per layer (``layer_output_scale``) and the final logit softcap;
+- optional MoE layers: the dense FFN (``ffn_norm`` .. ``post_ffw_norm_1``) plus top-k GELU
+  experts (``pre_ffw_norm_2`` .. ``post_ffw_norm_2``), summed before ``post_ffw_norm``. The
+  router reads the weightless RMS norm of the residual over sqrt(dim), times
+  ``ffn_gate_inp.scale``: the same normalized row as the experts' input but for the
+  elementwise weights, which are folded into the router's columns (scale / sqrt(dim) /
+  pre_ffw_norm_2). Fused ``ffn_gate_up_exps`` and per-expert ``ffn_down_exps.scale`` are
+  refused.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import numpy as np
 
 from localllm.backends.base import RopeSpec
 from localllm.kernels.kvpages import key_balance
+
+from localllm.backends.base import MoESpec, MoEWeights
+from localllm.formats.dequant import dequantize
 
 from . import llama
 from .block import BlockSpec
@@ -151,6 +159,10 @@ class Gemma4Weights:
     pl_proj: object = None
     pl_norm: object = None
     out_scale: float = 1.0
+    moe: MoEWeights | None = None   # the experts, with their norms before and after and
+    pre_moe_norm: object = None     # the dense FFN's own post-norm
+    post_moe_norm: object = None
+    post_dense_norm: object = None
 
 
 class Model(Net):
@@ -186,6 +198,9 @@ class Model(Net):
                 balances[i] = spec.k_balance
             else:  # the queries are balanced as the keys they meet were stored
                 spec = replace(spec, k_balance=balances[src], kv_source=src)
+            if weights.moe is not None:  # softmax top-k, renormalised, GELU experts
+                spec = replace(spec, moe=MoESpec(a.n_experts, a.n_experts_used, "softmax",
+                                                 True, 0.0, self.activation))
             self.layers.append(PlacedLayer(i, w.placement.layers[i], weights, spec))
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
@@ -207,9 +222,6 @@ class Model(Net):
 
     def load_block(self, w: WeightLoader, i: int) -> Gemma4Weights:
         a, p = self.args, f"blk.{i}."
-        if w.has(p + "ffn_gate_inp.weight"):
-            raise ModelError(f"layer {i} has experts (ffn_gate_inp): Gemma 4's MoE layers "
-                             "are not supported")
         if w.has(p + "attn_qkv.weight"):
             raise ModelError(f"layer {i}: a fused attn_qkv is not supported for gemma4")
         hd, n_kv, F = a.layer_head_dim(i), a.layer_kv_heads[i], a.layer_hidden[i]
@@ -220,6 +232,7 @@ class Model(Net):
             p + "attn_v.weight") else None
         be = w.backend_for(p + "attn_q.weight")
         P = a.per_layer_dim
+        moe = self.load_experts(w, i) if w.has(p + "ffn_gate_inp.weight") else {}
         scale = 1.0
         if w.has(p + "layer_output_scale.weight"):
             scale = float(w.host_vector(p + "layer_output_scale.weight", 1)[0])
@@ -239,7 +252,45 @@ class Model(Net):
             pl_gate=w.matrix(p + "inp_gate.weight", P, a.dim) if P else None,
             pl_proj=w.matrix(p + "proj.weight", a.dim, P) if P else None,
             pl_norm=w.vector(p + "post_norm.weight", a.dim) if P else None,
-            out_scale=scale)
+            out_scale=scale, **moe)
+
+    def load_experts(self, w: WeightLoader, i: int) -> dict:
+        """Layer i's experts, their norms and the router with its input weights folded in
+        (Gemma4Weights fields)."""
+        a, p = self.args, f"blk.{i}."
+        for name in ("ffn_gate_up_exps.weight", "ffn_down_exps.scale"):
+            if w.has(p + name):
+                raise ModelError(f"layer {i}: Gemma 4 experts with {name} are not supported")
+        if a.n_experts == 0:
+            raise ModelError(f"layer {i} has experts but metadata '{a.arch}.expert_count' is "
+                             "missing")
+        E, F, D = a.n_experts, a.expert_hidden_dim, a.dim
+        pre = w.host_vector(p + "pre_ffw_norm_2.weight", D)
+        if not np.all(pre != 0):
+            raise ModelError(f"layer {i}: pre_ffw_norm_2 has zero weights; its router input "
+                             "cannot be taken from the experts' input")
+        info = w.file.tensors.get(p + "ffn_gate_inp.weight")
+        if info is None or tuple(info.shape) != (E, D):
+            raise ModelError(f"tensor '{p}ffn_gate_inp.weight' should have shape {(E, D)}")
+        router = dequantize(w.file.raw(p + "ffn_gate_inp.weight"), info.type_name, (E, D))
+        fold = (w.host_vector(p + "ffn_gate_inp.scale", D).astype(np.float64)
+                / math.sqrt(D) / pre.astype(np.float64))
+        router = np.ascontiguousarray((router.astype(np.float64) * fold).astype(np.float32))
+        be = w.backend_for(p + "ffn_gate_exps.weight")
+        if any(w.backend_for(p + f"ffn_{x}_exps.weight") is not be for x in ("up", "down")):
+            raise ModelError(f"layer {i}: its gate, up and down experts must be placed on "
+                             "one backend (check the tensor overrides)")
+        home = w.backend_for(p + "attn_norm.weight")
+        return {"moe": MoEWeights(
+                    router=be.upload_matrix(p + "ffn_gate_inp.weight#folded", "F32",
+                                            router.view(np.uint8).reshape(-1), E, D),
+                    gate=w.experts(p + "ffn_gate_exps.weight", E, F, D),
+                    up=w.experts(p + "ffn_up_exps.weight", E, F, D),
+                    down=w.experts(p + "ffn_down_exps.weight", E, D, F),
+                    backend=None if be is home else be),
+                "pre_moe_norm": home.upload_vector(pre),
+                "post_moe_norm": w.vector(p + "post_ffw_norm_2.weight", D),
+                "post_dense_norm": w.vector(p + "post_ffw_norm_1.weight", D)}
 
     def embed(self, ids):
         return self.be.embed(self.tok_embd, ids, self.embed_scale)
@@ -291,6 +342,16 @@ class Model(Net):
         h = be.rms_norm(x, w.ffn_norm, s.norm_eps)
         gate, up = be.linear(h, [w.w_gate, w.w_up])
         y = be.linear(be.glu(gate, up, s.activation), [w.w_down])[0]
+        if w.moe is not None:
+            y = be.rms_norm(y, w.post_dense_norm, s.norm_eps)
+            h = be.rms_norm(x, w.pre_moe_norm, s.norm_eps)
+            home = w.moe.backend
+            if home is not None:  # the experts live elsewhere (e.g. on the CPU)
+                e = be.from_numpy(home.to_numpy(home.moe_ffn(home.from_numpy(
+                    be.to_numpy(h)), w.moe, s.moe)))
+            else:
+                e = be.moe_ffn(h, w.moe, s.moe)
+            y = be.add(y, be.rms_norm(e, w.post_moe_norm, s.norm_eps))
         y = be.rms_norm(y, w.post_ffn_norm, s.norm_eps)
         x = be.add(x, y)
         if pl_input is not None:

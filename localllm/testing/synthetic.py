@@ -146,6 +146,16 @@ MOE_SPECS = {
                     dim=128, n_layers=2, head_dim=32, rope_theta=1000000.0,
                     context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256,
                     block_gain=0.25),
+    # Gemma 4's MoE layout (26B-A4B) in four layers: a dense GELU FFN beside top-2 of 8
+    # GELU experts in every layer, the router on its own scaled norm; the last two layers
+    # share the KV of layers 0 (sliding) and 1 (full).
+    "gemma4moe": Spec("gemma4", {"attn": "Q8_0", "attn_output": "Q5_0", "ffn": "Q4_K",
+                                 "ffn_down": "Q8_0", "exps": "Q4_K", "exps_down": "Q8_0",
+                                 "embd": "Q8_0", "output": "F16"},
+                      n_layers=4, head_dim=128, hidden_dim=256, rope_theta=1000000.0,
+                      context_length=131072, qk_norm=True, swa_layers=(True, False, True, False),
+                      swa_head_dim=64, sliding_window=128, shared_kv=2, softcap=50.0,
+                      margin=8.0, block_gain=0.08, n_experts=8, n_used=2, expert_hidden=128),
 }
 
 # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context): the
@@ -301,6 +311,15 @@ def _gemma4_matrices(s: Spec) -> list[tuple]:
                 for x in ("ffn_gate", "ffn_up")]
         out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
                     1 / math.sqrt(s.hidden_dim)))
+        if s.n_experts:
+            # the router reads a row of rms 1/sqrt(dim): weights of std 2 give logits of
+            # std 2; the experts' output is normed (post_ffw_norm_2)
+            F, E = s.expert_hidden, s.n_experts
+            out.append((p + "ffn_gate_inp.weight", "F32", E, s.dim, 2.0))
+            out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, unit)
+                    for x in ("gate", "up")]
+            out.append((p + "ffn_down_exps.weight", t["exps_down"], E * s.dim, F,
+                        1 / math.sqrt(F)))
         if P:
             out += [(p + "inp_gate.weight", t["ple"], P, s.dim, unit),
                     (p + "proj.weight", t["ple"], s.dim, P, 1 / math.sqrt(P))]
@@ -322,6 +341,13 @@ def _gemma4_vectors(s: Spec, norm) -> list[tuple[str, np.ndarray]]:
         out += [(p + "post_attention_norm.weight", 2 * gain * norm(s.dim)),
                 (p + "ffn_norm.weight", norm(s.dim)),
                 (p + "post_ffw_norm.weight", gain * norm(s.dim))]
+        if s.n_experts:
+            # the router's input weights spread widely (a factor of 2 either way), so that
+            # routing depends on them
+            out.append((p + "ffn_gate_inp.scale",
+                        np.exp(7 * (norm(s.dim) - 1)).astype(np.float32)))
+            out += [(p + x, norm(s.dim)) for x in (
+                "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight", "post_ffw_norm_2.weight")]
         if s.per_layer_dim:
             out.append((p + "post_norm.weight", 0.5 * gain * norm(s.dim)))
             out.append((p + "layer_output_scale.weight",

@@ -1,9 +1,10 @@
-"""Gemma 4 on its two synthetic files (with per-layer token embeddings, and without, with
-values taken from the keys on full layers; both with shared-KV layers): the shared layers
-use the pages of the layer they read (no memory of their own), logits are bit identical
-however the tokens are batched, the torch and MLX backends agree with the CPU, and the
-files it cannot run are one-line errors. Agreement with llama.cpp (logits, greedy tokens,
-token ids, `llm inspect` and `llm run`) is in tests/models/test_synthetic.py."""
+"""Gemma 4 on its synthetic files (with per-layer token embeddings; without, with values
+taken from the keys on full layers; with MoE layers; all with shared-KV layers): the
+shared layers use the pages of the layer they read (no memory of their own), logits are
+bit identical however the tokens are batched, the torch and MLX backends agree with the
+CPU, and the files it cannot run are one-line errors. Agreement with llama.cpp (logits,
+greedy tokens, token ids, `llm inspect` and `llm run`) is in tests/models/test_synthetic.py
+(tests/models/test_moe.py for the MoE file)."""
 
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ from localllm.testing import synthetic
 from localllm.testing.compare import log_softmax
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
-NAMES = ["gemma4", "gemma4_nople"]
+NAMES = ["gemma4", "gemma4_nople", "gemma4moe"]
 DEVICE_TOP1, DEVICE_KL = 0.95, 0.01   # torch and MLX (float activations) against the CPU
 
 
@@ -44,7 +45,7 @@ def models(files):
 @pytest.mark.parametrize("name", NAMES)
 def test_shared_layers_read_the_pages_of_their_source(models, name):
     m = models(name)
-    spec = synthetic.SPECS[name]
+    spec = synthetic.ALL_SPECS[name]
     space = m._runner.space
     first = spec.n_layers - spec.shared_kv
     for layer in m.net.layers:
@@ -141,14 +142,36 @@ def test_layers_split_between_backends_agree_with_the_cpu(files, models):
     assert kl.mean() <= DEVICE_KL
 
 
-@pytest.mark.parametrize("changes, drop, needle", [
-    ({"shared_kv": 2}, (), "layer 4 shares the KV of layer 2, which is not sliding"),
-    ({"shared_kv": 5}, (), "must leave at least two of the 6 layers with their own KV"),
-    ({}, ("blk.0.attn_k.weight",), "tensor 'blk.0.attn_k.weight' is missing"),
+def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(files, models):
+    """Attention, norms and the dense FFN on the device, the experts (and their router) on
+    the CPU."""
+    pytest.importorskip("torch")
+    name = "gemma4moe"
+    ids = load_case(name)["ids"][:120].tolist()
+    want = log_softmax(models(name).logits(ids))
+    m = localllm.load(files[name], ctx_size=1024, threads=2, weight_cache=False,
+                      backend="torch", gpu_layers="all", cpu_moe=True)
+    try:
+        for la in m.net.layers:
+            assert la.backend is m.gpu_backend and la.weights.moe.backend.name == "cpu"
+        got = log_softmax(m.logits(ids))
+    finally:
+        m.close()
+    kl = (np.exp(want) * (want - got)).sum(1)
+    assert float((got.argmax(1) == want.argmax(1)).mean()) >= DEVICE_TOP1
+    assert kl.mean() <= DEVICE_KL
+
+
+@pytest.mark.parametrize("name, changes, drop, needle", [
+    ("gemma4", {"shared_kv": 2}, (), "layer 4 shares the KV of layer 2, which is not sliding"),
+    ("gemma4", {"shared_kv": 5}, (), "must leave at least two of the 6 layers with their own KV"),
+    ("gemma4", {}, ("blk.0.attn_k.weight",), "tensor 'blk.0.attn_k.weight' is missing"),
+    ("gemma4moe", {}, ("blk.1.ffn_gate_inp.scale",),
+     "tensor 'blk.1.ffn_gate_inp.scale' is missing"),
 ])
-def test_files_it_cannot_run_are_one_line_errors(tmp_path, metas, changes, drop, needle):
+def test_files_it_cannot_run_are_one_line_errors(tmp_path, metas, name, changes, drop, needle):
     from localllm.models import ModelError
-    path = synthetic.write("gemma4", tmp_path / "bad.gguf", metas["smollm"], drop, **changes)
+    path = synthetic.write(name, tmp_path / "bad.gguf", metas["smollm"], drop, **changes)
     with pytest.raises(ModelError) as err:
         localllm.load(path, ctx_size=64, threads=1, weight_cache=False)
     assert needle in str(err.value) and "\n" not in str(err.value)
