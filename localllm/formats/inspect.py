@@ -47,7 +47,17 @@ def describe(f) -> dict:
     dim = int(meta.get(p + "embedding_length", 0) or 0)
     k_len = int(meta.get(p + "attention.key_length", dim // n_heads if n_heads else 0) or 0)
     v_len = int(meta.get(p + "attention.value_length", k_len) or 0)
-    kv_1k = n_layers * n_kv * (k_len + v_len) * 1000 * KV_BYTES_PER_VALUE
+    # Layers sharing an earlier layer's KV hold none; sliding layers may have their own head
+    # size (Gemma 4: attention.shared_kv_layers, sliding_window_pattern flags, key_length_swa)
+    shared = int(meta.get(p + "attention.shared_kv_layers", 0) or 0)
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    swa_k = int(meta.get(p + "attention.key_length_swa", k_len) or 0)
+    swa_v = int(meta.get(p + "attention.value_length_swa", swa_k) or 0)
+    per_token = 0
+    for i in range(max(0, n_layers - shared)):
+        sliding = hasattr(pattern, "__len__") and i < len(pattern) and bool(pattern[i])
+        per_token += n_kv * ((swa_k + swa_v) if sliding else (k_len + v_len))
+    kv_1k = per_token * 1000 * KV_BYTES_PER_VALUE
     vocab = meta.get("tokenizer.ggml.tokens")
     return {
         "architecture": arch,

@@ -29,6 +29,8 @@ class BlockSpec:
     moe: MoESpec | None = None   # the routing of a mixture-of-experts FFN (weights.moe)
     qk_norm_whole: bool = False  # QK-norm over all heads at once (OLMoE), not per head
     q_rope: RopeSpec | None = None  # the queries' own RoPE (attention temperature), else rope
+    kv_source: int = -1          # the earlier layer whose KV this one reads (shared KV: it
+                                 # has no pages of its own and is in that layer's group)
 
 
 @dataclass(frozen=True)

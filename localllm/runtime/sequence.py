@@ -68,11 +68,15 @@ def kv_groups(layers: Seq) -> list[KVGroupSpec]:
     Args:
         layers: the net's PlacedLayers.
     Returns:
-        One KVGroupSpec per group; every layer is in exactly one.
+        One KVGroupSpec per group; every layer with pages of its own is in exactly one
+        (a layer reading another's KV, ``spec.kv_source``, is in none: it uses that
+        layer's pages and group).
     """
     members: dict[tuple[int, int, int], list[int]] = {}
     for layer in layers:
         s = layer.spec
+        if s.kv_source >= 0:
+            continue
         members.setdefault((s.window, s.n_kv_heads, s.head_dim), []).append(layer.index)
     return [KVGroupSpec(w, n_kv, hd, tuple(ix)) for (w, n_kv, hd), ix in members.items()]
 
@@ -80,7 +84,9 @@ def kv_groups(layers: Seq) -> list[KVGroupSpec]:
 class KVSpace:
     """A model's paged KV cache: its layers grouped by block layout (window, heads, head
     size), a block pool per group, and each layer's pages on that layer's backend.
-    ``layer_group[i]`` is layer i's group: the forward pass reads it from here (KVBatch)."""
+    ``layer_group[i]`` is layer i's group: the forward pass reads it from here (KVBatch).
+    A layer that reads another's KV (shared KV) gets that layer's pages and group: no
+    memory of its own."""
 
     def __init__(self, net: Net, k_type: str, v_type: str, block_size: int, pool_tokens: int,
                  model_key: bytes, max_checkpoints: int = 4):
@@ -107,6 +113,14 @@ class KVSpace:
             cap = 4 * (window // block_size + 2) if window else -1
             groups.append(CacheGroup(gi, [la.index for la in self.group_layers[gi]], window,
                                      BlockPool(n_blocks, block_size), key, cap))
+        for layer in net.layers:
+            src = layer.spec.kv_source
+            if src >= 0:
+                if self.pages[src] is None or by_index[src].spec.kv_source >= 0:
+                    raise EngineError(f"layer {layer.index} reads the KV of layer {src}, "
+                                      "which has none of its own")
+                self.pages[layer.index] = self.pages[src]
+                self.layer_group[layer.index] = self.layer_group[src]
         self.cache = PagedCache(groups, block_size, self._copy, max_checkpoints)
         self.block_bytes = [sum(la.backend.kv_block_nbytes(self.pages[la.index].layout)
                                 for la in g) for g in self.group_layers]

@@ -66,6 +66,24 @@ class Spec:
     #                                  output's, router's and experts' biases, the pre-FFN
     #                                  norm named post_attention_norm
     ffn_in_gain: float = 1.0         # experts' gate/up outputs times this (their down / it^2)
+    # Gemma 4 (arch "gemma4"): sliding flags per layer, the sliding layers' head size and
+    # rope base, the trailing layers that read an earlier layer's KV, per-layer token
+    # embeddings of this width (0: none), full layers without attn_v (V = K), the final
+    # logit softcap
+    swa_layers: tuple = ()
+    swa_head_dim: int = 0
+    swa_theta: float = 10000.0
+    sliding_window: int = 0
+    shared_kv: int = 0
+    per_layer_dim: int = 0
+    full_without_v: bool = False
+    softcap: float = 0.0
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.swa_head_dim if self.swa_layers and self.swa_layers[i] else self.head_dim
+
+    def has_kv(self, i: int) -> bool:
+        return i < self.n_layers - self.shared_kv
 
 
 PHI3_TYPES = {"attn": "Q8_0", "attn_output": "BF16", "ffn": "F16", "ffn_down": "Q6_K",
@@ -132,6 +150,16 @@ MOE_SPECS = {
                     dim=128, n_layers=2, head_dim=32, rope_theta=1000000.0,
                     context_length=32768, n_experts=8, n_used=2, expert_hidden=256, hidden_dim=256,
                     block_gain=0.25),
+    # Gemma 4's MoE layout (26B-A4B) in four layers: a dense GELU FFN beside top-2 of 8
+    # GELU experts in every layer, the router on its own scaled norm; the last two layers
+    # share the KV of layers 0 (sliding) and 1 (full).
+    "gemma4moe": Spec("gemma4", {"attn": "Q8_0", "attn_output": "Q5_0", "ffn": "Q4_K",
+                                 "ffn_down": "Q8_0", "exps": "Q4_K", "exps_down": "Q8_0",
+                                 "embd": "Q8_0", "output": "F16"},
+                      n_layers=4, head_dim=128, hidden_dim=256, rope_theta=1000000.0,
+                      context_length=131072, qk_norm=True, swa_layers=(True, False, True, False),
+                      swa_head_dim=64, sliding_window=128, shared_kv=2, softcap=50.0,
+                      margin=8.0, block_gain=0.08, n_experts=8, n_used=2, expert_hidden=128),
 }
 
 MOE_SPECS["gptoss"] = Spec(
@@ -171,6 +199,26 @@ SPECS.update({
                        pre="qwen2", rope_theta=1000000.0, context_length=131072, qkv_bias=True,
                        meta=_yarn_meta(4.0, 32768)),
 })
+GEMMA4_TYPES = {"attn": "Q8_0", "attn_output": "Q5_0", "ffn": "Q4_K", "ffn_down": "Q6_K",
+                "embd": "Q8_0", "ple": "Q8_0", "output": "F16"}
+SPECS.update({
+    # Gemma 4's layout in six layers: sliding layers (head size 64, base 10^4, window 128)
+    # around full ones (head size 128, base 10^6, partial rotation by rope_freqs), the last
+    # three layers reading the KV of layers 1 (sliding) and 2 (full), per-layer token
+    # embeddings of 32 per layer, layer output scales and a final logit softcap (which
+    # narrows the designed successor's lead: hence the wider margin).
+    "gemma4": Spec("gemma4", GEMMA4_TYPES, n_layers=6, head_dim=128, hidden_dim=512,
+                   rope_theta=1000000.0, context_length=131072, qk_norm=True,
+                   swa_layers=(True, True, False, True, True, False), swa_head_dim=64,
+                   sliding_window=128, shared_kv=3, per_layer_dim=32, softcap=50.0,
+                   margin=8.0, block_gain=0.08),
+    # without per-layer embeddings (as the large Gemma 4 files), full layers without
+    # attn_v (their values are their keys), two shared layers
+    "gemma4_nople": Spec("gemma4", GEMMA4_TYPES, n_layers=6, head_dim=128, hidden_dim=512,
+                         rope_theta=1000000.0, context_length=131072, qk_norm=True,
+                         swa_layers=(True, False, True, False, True, False), swa_head_dim=64,
+                         sliding_window=128, shared_kv=2, full_without_v=True, softcap=50.0),
+})
 ALL_SPECS = {**SPECS, **MOE_SPECS}
 
 LOGIT_STD = 5.0        # std of the random part of the logits
@@ -182,7 +230,8 @@ CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3"
          "phi3_short": ("phi3", 512), "phi3_long": ("phi3", 1024),
          "phi3_partial": ("phi3_partial", 1024), "llama_mxfp4": ("llama_mxfp4", 1024),
          "llama_yarn": ("llama_yarn", 1024), "qwen2_yarn": ("qwen2_yarn", 1024),
-         "smollm3": ("smollm3", 1024), "mistral3": ("mistral3", 1024)}
+         "smollm3": ("smollm3", 1024), "mistral3": ("mistral3", 1024),
+         "gemma4": ("gemma4", 1024), "gemma4_nople": ("gemma4_nople", 1024)}
 MOE_CASES = {name: (name, 1024) for name in MOE_SPECS}
 
 
@@ -237,6 +286,8 @@ def _matrices(s: Spec) -> list[tuple[str, str, int, int, float]]:
     # q and k a little over unit size so that attention is not uniform; the attention output
     # is an average, so it gets twice the FFN's gain to count as much
     out = [("token_embd.weight", t["embd"], 0, s.dim, 1.0)]
+    if s.arch == "gemma4":
+        return out + _gemma4_matrices(s)
     for i in range(s.n_layers):
         p = f"blk.{i}."
         if s.fused:
@@ -254,6 +305,78 @@ def _matrices(s: Spec) -> list[tuple[str, str, int, int, float]]:
         out += [(p + f"{x}.weight", t["ffn"], n, s.dim, unit) for x, n in ffn_rows]
         out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
                     s.block_gain / math.sqrt(s.hidden_dim)))
+    return out
+
+
+def _gemma4_matrices(s: Spec) -> list[tuple]:
+    """Gemma 4's matrices after the token embedding. Its post-norms set each block's size
+    (_vectors), so the matrices here are unit-gain; the per-layer embedding rows are of
+    rms 1/sqrt(width), which the model scales back to 1."""
+    t, unit, P, L = s.types, 1 / math.sqrt(s.dim), s.per_layer_dim, s.n_layers
+    out = []
+    if P:
+        out += [("per_layer_token_embd.weight", t["ple"], 0, L * P, 1 / math.sqrt(P)),
+                ("per_layer_model_proj.weight", t["ple"], L * P, s.dim, unit)]
+    for i in range(L):
+        p, hd = f"blk.{i}.", s.layer_head_dim(i)
+        qd, kvd = s.n_heads * hd, s.n_kv_heads * hd
+        out.append((p + "attn_q.weight", t["attn"], qd, s.dim, unit))
+        if s.has_kv(i):
+            out.append((p + "attn_k.weight", t["attn"], kvd, s.dim, unit))
+            if not (s.full_without_v and not s.swa_layers[i]):
+                out.append((p + "attn_v.weight", t["attn"], kvd, s.dim, unit))
+        out.append((p + "attn_output.weight", t["attn_output"], s.dim, qd, 1 / math.sqrt(qd)))
+        out += [(p + f"{x}.weight", t["ffn"], s.hidden_dim, s.dim, unit)
+                for x in ("ffn_gate", "ffn_up")]
+        out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
+                    1 / math.sqrt(s.hidden_dim)))
+        if s.n_experts:
+            # the router reads a row of rms 1/sqrt(dim): weights of std 2 give logits of
+            # std 2; the experts' output is normed (post_ffw_norm_2)
+            F, E = s.expert_hidden, s.n_experts
+            out.append((p + "ffn_gate_inp.weight", "F32", E, s.dim, 2.0))
+            out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, unit)
+                    for x in ("gate", "up")]
+            out.append((p + "ffn_down_exps.weight", t["exps_down"], E * s.dim, F,
+                        1 / math.sqrt(F)))
+        if P:
+            out += [(p + "inp_gate.weight", t["ple"], P, s.dim, unit),
+                    (p + "proj.weight", t["ple"], s.dim, P, 1 / math.sqrt(P))]
+    return out
+
+
+def _gemma4_vectors(s: Spec, norm) -> list[tuple[str, np.ndarray]]:
+    """Gemma 4's norms (the post-norms scaled to block_gain of the residual, whose rms is
+    sqrt(dim) after the embedding scale), layer scales and the full layers' rope factors
+    (a quarter of the frequencies rotate, as its proportional RoPE)."""
+    gain = s.block_gain * math.sqrt(s.dim)
+    out = []
+    for i in range(s.n_layers):
+        p, hd = f"blk.{i}.", s.layer_head_dim(i)
+        out += [(p + "attn_norm.weight", norm(s.dim)),
+                (p + "attn_q_norm.weight", 0.4 * norm(hd))]
+        if s.has_kv(i):
+            out.append((p + "attn_k_norm.weight", norm(hd)))
+        out += [(p + "post_attention_norm.weight", 2 * gain * norm(s.dim)),
+                (p + "ffn_norm.weight", norm(s.dim)),
+                (p + "post_ffw_norm.weight", gain * norm(s.dim))]
+        if s.n_experts:
+            # the router's input weights spread widely (a factor of 2 either way), so that
+            # routing depends on them
+            out.append((p + "ffn_gate_inp.scale",
+                        np.exp(7 * (norm(s.dim) - 1)).astype(np.float32)))
+            out += [(p + x, norm(s.dim)) for x in (
+                "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight", "post_ffw_norm_2.weight")]
+        if s.per_layer_dim:
+            out.append((p + "post_norm.weight", 0.5 * gain * norm(s.dim)))
+            out.append((p + "layer_output_scale.weight",
+                        np.array([0.9 + 0.02 * i], np.float32)))
+    if s.per_layer_dim:
+        out.append(("per_layer_proj_norm.weight", norm(s.per_layer_dim)))
+    out.append(("output_norm.weight", norm(s.dim)))
+    pairs = s.head_dim // 2
+    out.append(("rope_freqs.weight", np.where(np.arange(pairs) < pairs // 4, 1.0,
+                                              1e30).astype(np.float32)))
     return out
 
 
@@ -286,6 +409,8 @@ def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
     """Norm weights (around 1), biases and rope factors as float32, in file order."""
     qd, kvd, n_rot = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_rot or s.head_dim
     norm = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    if s.arch == "gemma4":
+        return _gemma4_vectors(s, norm)
     out = []
     for i in range(s.n_layers):
         p = f"blk.{i}."
@@ -399,6 +524,8 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
     w.add_key_value(a + "attention.layer_norm_rms_epsilon", 1e-6, GGUFValueType.FLOAT32)
     for k, (v, vt) in s.meta.items():
         w.add_key_value(a + k, v, vt)
+    if s.arch == "gemma4":
+        _gemma4_meta(w, s)
     if s.n_experts:
         moe = {"expert_count": s.n_experts, "expert_used_count": s.n_used,
                "expert_feed_forward_length": s.expert_hidden}
@@ -433,6 +560,21 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _gemma4_meta(w: GGUFWriter, s: Spec) -> None:
+    a = s.arch + "."
+    w.add_array(a + "attention.sliding_window_pattern", [bool(x) for x in s.swa_layers])
+    for k, v in {"attention.sliding_window": s.sliding_window,
+                 "attention.shared_kv_layers": s.shared_kv,
+                 "embedding_length_per_layer_input": s.per_layer_dim,
+                 "attention.key_length_swa": s.swa_head_dim,
+                 "attention.value_length_swa": s.swa_head_dim,
+                 "rope.dimension_count_swa": s.swa_head_dim}.items():
+        w.add_key_value(a + k, v, GGUFValueType.UINT32)
+    w.add_key_value(a + "rope.freq_base_swa", s.swa_theta, GGUFValueType.FLOAT32)
+    if s.softcap:
+        w.add_key_value(a + "final_logit_softcapping", s.softcap, GGUFValueType.FLOAT32)
 
 
 def digest(path: str | Path) -> str:

@@ -1,7 +1,8 @@
 """Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE,
-Mixtral as llama with experts, gpt-oss) on small synthetic files, byte for byte the ones
-scripts/make_synthetic.py --moe sent through llama.cpp: logits and greedy continuations
-against llama.cpp's, batch invariance, and the torch and MLX stand-ins against the CPU."""
+Mixtral as llama with experts, gpt-oss, Gemma 4's experts beside its dense FFN) on small
+synthetic files, byte for byte the ones scripts/make_synthetic.py --moe sent through
+llama.cpp: logits and greedy continuations against llama.cpp's, batch invariance, and the
+torch and MLX stand-ins against the CPU."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3, Phi-3, SmolLM3, Mistral 3 and Llama 3's rope scaling, checked on small
+"""Qwen2, Qwen3, Phi-3, SmolLM3, Mistral 3, Gemma 4 and Llama 3's rope scaling, checked on small
 synthetic models (written here by tests/synthetic.py, byte for byte the files
 scripts/make_synthetic.py sent through llama.cpp) against llama.cpp's logits and token ids,
 and through the `llm` command."""
