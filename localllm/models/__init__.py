@@ -7,8 +7,8 @@ import importlib
 from .common import ModelError, UnsupportedModel
 
 # architecture -> module name in this package
-ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "gemma4": "gemma4", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "phi3": "phi3", "smollm3": "smollm3", "mistral3": "mistral3",
+ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "gemma4": "gemma4", "qwen2": "qwen2",
+                 "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3", "mistral3": "mistral3",
                  "bert": "bert", "nomic-bert": "bert",
                  "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe",
                  "gpt-oss": "gptoss"}
