@@ -27,7 +27,8 @@ class ModelArgs(llama.ModelArgs):
 
     @classmethod
     def from_gguf(cls, meta: dict, arch: str = "mistral3") -> "ModelArgs":
-        base = llama.ModelArgs.from_gguf(meta, arch)
+        # (llama's reader under this class, so that its rope_scalings refuse YaRN)
+        base = llama.ModelArgs.from_gguf.__func__(cls, meta, arch)
         p = f"{arch}."
         args = cls(**{**base.__dict__,
                       "temp_scale": meta_float(meta, p + "attention.temperature_scale", 0.0),
