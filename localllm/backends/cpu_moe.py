@@ -18,6 +18,8 @@ from localllm.kernels import matmul as mm
 from localllm.kernels import moe as moe_k
 from localllm.kernels import ops
 
+from .host import expert_biases, route_tokens
+
 _NO_SHARED = np.zeros((0, 0), np.float32)
 _NO_GATE = np.zeros(0, np.float32)
 
@@ -99,13 +101,6 @@ def _swiglu(act: mm.QuantActivations, gate: mm.Weight, up: mm.Weight, down: mm.W
     return y
 
 
-def expert_biases(w, e: int) -> tuple:
-    """Expert e's gate, up and down biases (Nones where the layer has none)."""
-    if w.gate_bias is None:
-        return None, None, None
-    return w.gate_bias[e], w.up_bias[e], w.down_bias[e]
-
-
 def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     """The backend's ``moe_ffn`` (see backends/base.py) on numpy arrays.
 
@@ -129,17 +124,9 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     logits = mm.matmul(w.router, act)
     if w.router_bias is not None:
         logits += w.router_bias
-    ids = np.empty((n, k), np.int32)
-    weights = np.empty((n, k), np.float32)
-    moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
-                ids, weights)
-    # (token, slot) pairs grouped by expert, tokens ascending within each
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    bounds = np.searchsorted(flat[order], np.arange(spec.n_experts + 1))
+    weights, groups = route_tokens(logits, spec)
     y = np.empty((n * k, dim), np.float32)
-    for e in np.flatnonzero(np.diff(bounds)):
-        pairs = order[bounds[e]:bounds[e + 1]]
+    for e, pairs in groups:
         y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
                            w.down.parts[e], spec.activation, expert_biases(w, e))
     shared, shared_gate = _NO_SHARED, _NO_GATE

@@ -11,12 +11,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from localllm.formats.quants import row_nbytes
-from localllm.kernels import moe as moe_k
 from localllm.kernels.ops import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVBatch, KVLayout
-from .host import AttentionPlan, PlanCache, RopeTables, kv_block_nbytes, kv_rotated
+from .host import (AttentionPlan, PlanCache, RopeTables, expert_biases, kv_block_nbytes,
+                   kv_rotated, route_tokens)
 
 QBLOCK = 32        # dims per scale of q8_0 / q4_0
 FP8_MAX = 448.0    # E4M3's largest finite value: fp8 keys and values saturate there
@@ -316,22 +316,13 @@ class DeviceBackend:
         """As the CPU's (backends/cpu_moe.py): routing on the host with the same kernel,
         each chosen expert once over its tokens, the weighted sum in rank order."""
         logits = self.linear(x, [w.router], [w.router_bias])[0]
-        logits = np.ascontiguousarray(self.to_numpy(logits))
-        n, k = logits.shape[0], spec.n_used
-        ids = np.empty((n, k), np.int32)
-        weights = np.empty((n, k), np.float32)
-        moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
-                    ids, weights)
-        flat = ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        bounds = np.searchsorted(flat[order], np.arange(spec.n_experts + 1))
+        weights, groups = route_tokens(self.to_numpy(logits), spec)
+        n, k = weights.shape
         outs, pairs = [], []
-        for e in np.flatnonzero(np.diff(bounds)):
-            p = order[bounds[e]:bounds[e + 1]]
-            biases = ((None,) * 3 if w.gate_bias is None
-                      else (w.gate_bias[e], w.up_bias[e], w.down_bias[e]))
+        for e, p in groups:
             outs.append(self._swiglu(self.select_rows(x, p // k), w.gate.parts[e],
-                                     w.up.parts[e], w.down.parts[e], spec.activation, biases))
+                                     w.up.parts[e], w.down.parts[e], spec.activation,
+                                     expert_biases(w, e)))
             pairs.append(p)
         back = np.empty(n * k, np.int64)  # row of (token t, slot j) in the stacked outputs
         back[np.concatenate(pairs)] = np.arange(n * k)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localllm.kernels import moe as moe_k
 from localllm.kernels.jit import njit
 from localllm.kernels.kvpages import ROTATED, _q4_block, v_row_nbytes
 from localllm.kernels.ops import rope_tables
@@ -191,3 +192,33 @@ class RopeTables:
             cos, sin = self.lookup(positions, spec)
             hit = p[1][id(spec)] = (spec, upload(cos), upload(sin))
         return hit[1], hit[2]
+
+
+def route_tokens(logits, spec) -> tuple[np.ndarray, list]:
+    """Each token's top-k experts from its router logits (kernels.moe.route) and the
+    (token, slot) pairs grouped by expert, as every backend's ``moe_ffn`` runs them.
+
+    Args:
+        logits: (n, n_experts) router outputs on the host; spec: the layer's MoESpec.
+    Returns:
+        (weights, groups): float32 (n, k) weights by rank, and (expert, pairs) for each chosen
+        expert in ascending order, pairs the ascending flat indices t * k + j of its slots.
+    """
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    n, k = logits.shape[0], spec.n_used
+    ids = np.empty((n, k), np.int32)
+    weights = np.empty((n, k), np.float32)
+    moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
+                ids, weights)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(spec.n_experts + 1))
+    return weights, [(int(e), order[bounds[e]:bounds[e + 1]])
+                     for e in np.flatnonzero(np.diff(bounds))]
+
+
+def expert_biases(w, e: int) -> tuple:
+    """Expert e's gate, up and down biases (Nones where the layer has none)."""
+    if w.gate_bias is None:
+        return None, None, None
+    return w.gate_bias[e], w.up_bias[e], w.down_bias[e]

@@ -15,6 +15,7 @@ import pytest
 import localllm
 from localllm.testing import synthetic
 from localllm.testing.compare import log_softmax
+from support.backends import device_agreement
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
 NAMES = ["gemma4", "gemma4_nople", "gemma4moe"]
@@ -106,60 +107,44 @@ def test_two_sequences_in_one_step_are_each_what_they_are_alone(models):
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("name", NAMES)
 def test_device_backends_agree_with_the_cpu(files, models, backend, name):
-    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
     ids = load_case(name)["ids"].tolist()
     want = log_softmax(models(name).logits(ids))
-    m = localllm.load(files[name], ctx_size=1024, threads=2, weight_cache=False,
-                      backend=backend, gpu_layers="all")
-    try:
+
+    def check(m):
         assert all(la.backend is m.gpu_backend for la in m.net.layers)
-        got = log_softmax(m.logits(ids))
-    finally:
-        m.close()
-    top1 = float((got.argmax(1) == want.argmax(1)).mean())
-    kl = (np.exp(want) * (want - got)).sum(1)
-    print(f"{name} on {backend}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
+    top1, kl = device_agreement(files[name], want, ids, backend, check)
+    print(f"{name} on {backend}: top-1 {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= DEVICE_TOP1
-    assert kl.mean() <= DEVICE_KL
+    assert kl <= DEVICE_KL
 
 
 def test_layers_split_between_backends_agree_with_the_cpu(files, models):
     """The shared layers on the device, the layers whose KV they read on the CPU."""
-    pytest.importorskip("torch")
     name = "gemma4"
     ids = load_case(name)["ids"][:120].tolist()
     want = log_softmax(models(name).logits(ids))
-    m = localllm.load(files[name], ctx_size=1024, threads=2, weight_cache=False,
-                      backend="torch", gpu_layers=3)
-    try:
+
+    def check(m):
         homes = [la.backend.name for la in m.net.layers]
         assert homes[:3] == ["cpu"] * 3 and "cpu" not in homes[3:], homes
-        got = log_softmax(m.logits(ids))
-    finally:
-        m.close()
-    kl = (np.exp(want) * (want - got)).sum(1)
-    assert float((got.argmax(1) == want.argmax(1)).mean()) >= DEVICE_TOP1
-    assert kl.mean() <= DEVICE_KL
+    top1, kl = device_agreement(files[name], want, ids, "torch", check, gpu_layers=3)
+    assert top1 >= DEVICE_TOP1
+    assert kl <= DEVICE_KL
 
 
 def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(files, models):
     """Attention, norms and the dense FFN on the device, the experts (and their router) on
     the CPU."""
-    pytest.importorskip("torch")
     name = "gemma4moe"
     ids = load_case(name)["ids"][:120].tolist()
     want = log_softmax(models(name).logits(ids))
-    m = localllm.load(files[name], ctx_size=1024, threads=2, weight_cache=False,
-                      backend="torch", gpu_layers="all", cpu_moe=True)
-    try:
+
+    def check(m):
         for la in m.net.layers:
             assert la.backend is m.gpu_backend and la.weights.moe.backend.name == "cpu"
-        got = log_softmax(m.logits(ids))
-    finally:
-        m.close()
-    kl = (np.exp(want) * (want - got)).sum(1)
-    assert float((got.argmax(1) == want.argmax(1)).mean()) >= DEVICE_TOP1
-    assert kl.mean() <= DEVICE_KL
+    top1, kl = device_agreement(files[name], want, ids, "torch", check, cpu_moe=True)
+    assert top1 >= DEVICE_TOP1
+    assert kl <= DEVICE_KL
 
 
 @pytest.mark.parametrize("name, changes, drop, needle", [

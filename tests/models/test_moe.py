@@ -13,6 +13,7 @@ import pytest
 import localllm
 from localllm.testing import synthetic
 from localllm.testing.compare import coarse_kl, log_softmax
+from support.backends import device_agreement
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
 KL_MAX = 0.01
@@ -108,21 +109,15 @@ def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name, 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("name", ["qwen2moe", "olmoe", "gptoss"])
 def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name):
-    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
     ids = load_case(name)["ids"].tolist()
     want = log_softmax(moe_models(name).logits(ids))
-    m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
-                      backend=backend, gpu_layers="all")
-    try:
+
+    def check(m):
         assert all(la.backend is m.gpu_backend for la in m.net.layers)
-        got = log_softmax(m.logits(ids))
-    finally:
-        m.close()
-    top1 = float((got.argmax(1) == want.argmax(1)).mean())
-    kl = (np.exp(want) * (want - got)).sum(1)
-    print(f"{name} on {backend}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
+    top1, kl = device_agreement(moe_files[name], want, ids, backend, check)
+    print(f"{name} on {backend}: top-1 {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= DEVICE_TOP1
-    assert kl.mean() <= DEVICE_KL
+    assert kl <= DEVICE_KL
 
 
 # ---------------------------------------------------------------------------- the split
@@ -136,12 +131,10 @@ SPLITS = [("torch", {"cpu_moe": True}, "qwen2moe"), ("torch", {"n_cpu_moe": 1}, 
 @pytest.mark.parametrize("backend, split, name", SPLITS)
 def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_models, backend,
                                                             split, name):
-    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
     ids = load_case(name)["ids"].tolist()
     want = log_softmax(moe_models(name).logits(ids))
-    m = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False,
-                      backend=backend, gpu_layers="all", **split)
-    try:
+
+    def check(m):
         if "cpu_moe" in split:
             cpu_layers = set(range(len(m.net.layers)))
         elif "n_cpu_moe" in split:
@@ -163,14 +156,10 @@ def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_model
                        for x in (la.weights.moe.gate, la.weights.moe.up, la.weights.moe.down)
                        if (la.weights.moe.backend or la.backend) is d.backend)
             assert abs(d.expert_bytes - held) <= 0.05 * max(held, 1), (d.label, d.expert_bytes)
-        got = log_softmax(m.logits(ids))
-    finally:
-        m.close()
-    top1 = float((got.argmax(1) == want.argmax(1)).mean())
-    kl = (np.exp(want) * (want - got)).sum(1)
-    print(f"{name} on {backend} with {split}: top-1 {top1:.4f}, mean KL {kl.mean():.2e}")
+    top1, kl = device_agreement(moe_files[name], want, ids, backend, check, **split)
+    print(f"{name} on {backend} with {split}: top-1 {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= DEVICE_TOP1
-    assert kl.mean() <= DEVICE_KL
+    assert kl <= DEVICE_KL
 
 
 def test_llm_inspect_plan_lists_expert_bytes_per_device(moe_files):

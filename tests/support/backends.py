@@ -62,3 +62,29 @@ def run(backend, fn, *arrays):
 
 def rnd(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def device_agreement(path, want_lp, ids, backend: str, check=None,
+                     **load) -> tuple[float, float]:
+    """The model at ``path`` on ``backend`` (every layer on it unless ``load`` says
+    otherwise) against the CPU backend's log-probabilities ``want_lp`` of ``ids``.
+
+    Args:
+        check: optional callable run on the loaded model before its logits (placement
+            assertions).
+    Returns:
+        (top-1 agreement, mean KL(want || got)).
+    """
+    import localllm
+    from localllm.testing.compare import log_softmax
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
+    m = localllm.load(path, **{"ctx_size": 1024, "threads": 2, "weight_cache": False,
+                               "backend": backend, "gpu_layers": "all", **load})
+    try:
+        if check is not None:
+            check(m)
+        got = log_softmax(m.logits(ids))
+    finally:
+        m.close()
+    kl = (np.exp(want_lp) * (want_lp - got)).sum(1)
+    return float((got.argmax(1) == want_lp.argmax(1)).mean()), float(kl.mean())
