@@ -44,7 +44,8 @@ class MoEWeights:
     """One mixture-of-experts FFN as uploaded: the router (n_experts out, dim in), the
     experts (``upload_experts``: n_experts matrices each), and an optional shared expert
     with an optional gate (1 out, dim in) whose sigmoid scales it. gpt-oss adds biases: the
-    router's (a vector of n_experts) and each expert's (tuples of one vector per expert)."""
+    router's (a vector of n_experts) and each expert's (tuples of one vector per expert);
+    Gemma 4 a scale on each expert's output, which multiplies its routing weight."""
     router: Any
     gate: Any
     up: Any
@@ -58,6 +59,7 @@ class MoEWeights:
     gate_bias: Any = None
     up_bias: Any = None
     down_bias: Any = None
+    down_scale: Any = None   # float32 (n_experts,) on the host: each expert's output scale
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     logits = mm.matmul(w.router, act)
     if w.router_bias is not None:
         logits += w.router_bias
-    weights, groups = route_tokens(logits, spec)
+    weights, groups = route_tokens(logits, spec, w.down_scale)
     y = np.empty((n * k, dim), np.float32)
     for e, pairs in groups:
         y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],

@@ -316,7 +316,7 @@ class DeviceBackend:
         """As the CPU's (backends/cpu_moe.py): routing on the host with the same kernel,
         each chosen expert once over its tokens, the weighted sum in rank order."""
         logits = self.linear(x, [w.router], [w.router_bias])[0]
-        weights, groups = route_tokens(self.to_numpy(logits), spec)
+        weights, groups = route_tokens(self.to_numpy(logits), spec, w.down_scale)
         n, k = weights.shape
         outs, pairs = [], []
         for e, p in groups:

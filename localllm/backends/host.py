@@ -194,12 +194,14 @@ class RopeTables:
         return hit[1], hit[2]
 
 
-def route_tokens(logits, spec) -> tuple[np.ndarray, list]:
+def route_tokens(logits, spec, down_scale=None) -> tuple[np.ndarray, list]:
     """Each token's top-k experts from its router logits (kernels.moe.route) and the
     (token, slot) pairs grouped by expert, as every backend's ``moe_ffn`` runs them.
 
     Args:
-        logits: (n, n_experts) router outputs on the host; spec: the layer's MoESpec.
+        logits: (n, n_experts) router outputs on the host; spec: the layer's MoESpec;
+            down_scale: None, or float32 (n_experts,) scales of each expert's output,
+            multiplied into its weights (the experts have no output biases then).
     Returns:
         (weights, groups): float32 (n, k) weights by rank, and (expert, pairs) for each chosen
         expert in ascending order, pairs the ascending flat indices t * k + j of its slots.
@@ -210,6 +212,8 @@ def route_tokens(logits, spec) -> tuple[np.ndarray, list]:
     weights = np.empty((n, k), np.float32)
     moe_k.route(logits, k, moe_k.GATING[spec.gating], bool(spec.norm), float(spec.scale),
                 ids, weights)
+    if down_scale is not None:
+        weights *= down_scale[ids]
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
     bounds = np.searchsorted(flat[order], np.arange(spec.n_experts + 1))

@@ -21,8 +21,9 @@ QK-norm, GELU-tanh gated FFN) with
   router reads the weightless RMS norm of the residual over sqrt(dim), times
   ``ffn_gate_inp.scale``: the same normalized row as the experts' input but for the
   elementwise weights, which are folded into the router's columns (scale / sqrt(dim) /
-  pre_ffw_norm_2). Fused ``ffn_gate_up_exps`` and per-expert ``ffn_down_exps.scale`` are
-  refused.
+  pre_ffw_norm_2). Gate and up experts come as two stacks or fused (``ffn_gate_up_exps``,
+  as the converter writes them), with a scale per expert on its output
+  (``ffn_down_exps.scale``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from localllm.formats.dequant import dequantize
 from . import llama
 from .block import BlockSpec
 from .common import ModelError, WeightLoader, meta_float, meta_get, meta_int
+from .moe import down_scale, expert_home, gate_up
 from .net import Net, PlacedLayer
 
 
@@ -258,9 +260,6 @@ class Model(Net):
         """Layer i's experts, their norms and the router with its input weights folded in
         (Gemma4Weights fields)."""
         a, p = self.args, f"blk.{i}."
-        for name in ("ffn_gate_up_exps.weight", "ffn_down_exps.scale"):
-            if w.has(p + name):
-                raise ModelError(f"layer {i}: Gemma 4 experts with {name} are not supported")
         if a.n_experts == 0:
             raise ModelError(f"layer {i} has experts but metadata '{a.arch}.expert_count' is "
                              "missing")
@@ -276,18 +275,14 @@ class Model(Net):
         fold = (w.host_vector(p + "ffn_gate_inp.scale", D).astype(np.float64)
                 / math.sqrt(D) / pre.astype(np.float64))
         router = np.ascontiguousarray((router.astype(np.float64) * fold).astype(np.float32))
-        be = w.backend_for(p + "ffn_gate_exps.weight")
-        if any(w.backend_for(p + f"ffn_{x}_exps.weight") is not be for x in ("up", "down")):
-            raise ModelError(f"layer {i}: its gate, up and down experts must be placed on "
-                             "one backend (check the tensor overrides)")
+        be = expert_home(w, p, i)
         home = w.backend_for(p + "attn_norm.weight")
+        gate, up = gate_up(w, p, E, F, D)
         return {"moe": MoEWeights(
                     router=be.upload_matrix(p + "ffn_gate_inp.weight#folded", "F32",
                                             router.view(np.uint8).reshape(-1), E, D),
-                    gate=w.experts(p + "ffn_gate_exps.weight", E, F, D),
-                    up=w.experts(p + "ffn_up_exps.weight", E, F, D),
-                    down=w.experts(p + "ffn_down_exps.weight", E, D, F),
-                    backend=None if be is home else be),
+                    gate=gate, up=up, down=w.experts(p + "ffn_down_exps.weight", E, D, F),
+                    backend=None if be is home else be, down_scale=down_scale(w, p, E)),
                 "pre_moe_norm": home.upload_vector(pre),
                 "post_moe_norm": w.vector(p + "post_ffw_norm_2.weight", D),
                 "post_dense_norm": w.vector(p + "post_ffw_norm_1.weight", D)}

@@ -37,7 +37,49 @@ def check_args(a) -> None:
 
 def has_experts(w: WeightLoader, i: int) -> bool:
     """Whether layer i's feed-forward is a mixture of experts."""
-    return w.has(f"blk.{i}.ffn_gate_exps.weight")
+    return w.has(f"blk.{i}.ffn_gate_exps.weight") or w.has(f"blk.{i}.ffn_gate_up_exps.weight")
+
+
+def gate_up(w: WeightLoader, p: str, E: int, F: int, D: int) -> tuple:
+    """A layer's gate and up expert stacks, from two tensors or from one fused
+    ``ffn_gate_up_exps`` (each expert's F gate rows, then its F up rows)."""
+    if w.has(p + "ffn_gate_up_exps.weight"):
+        return w.experts_split(p + "ffn_gate_up_exps.weight", E, F, D)
+    return (w.experts(p + "ffn_gate_exps.weight", E, F, D),
+            w.experts(p + "ffn_up_exps.weight", E, F, D))
+
+
+def down_scale(w: WeightLoader, p: str, E: int):
+    """The scale on each expert's down output (``ffn_down_exps.scale``, Gemma 4's
+    per_expert_scale) as float32 on the host, or None.
+
+    Raises:
+        ModelError: a scale that is not finite and positive, or one beside down biases
+            (which it would scale too, folded into the routing weights).
+    """
+    name = p + "ffn_down_exps.scale"
+    if not w.has(name):
+        return None
+    if w.has(p + "ffn_down_exps.bias"):
+        raise ModelError(f"tensor {name!r} beside expert biases is not supported")
+    s = w.host_vector(name, E)
+    if not (s > 0).all():
+        raise ModelError(f"tensor {name!r} holds scales that are not positive")
+    return s
+
+
+def expert_home(w: WeightLoader, p: str, i: int):
+    """The backend of a layer's experts, which must all be on one.
+
+    Raises:
+        ModelError: gate, up and down placed apart (by tensor overrides).
+    """
+    names = [p + f"ffn_{x}_exps.weight" for x in ("gate_up", "gate", "up", "down")]
+    homes = {id(w.backend_for(n)): w.backend_for(n) for n in names if w.has(n)}
+    if len(homes) != 1:
+        raise ModelError(f"layer {i}: its gate, up and down experts must be placed on one "
+                         "backend (check the tensor overrides)")
+    return next(iter(homes.values()))
 
 
 def load(w: WeightLoader, i: int, a) -> MoEWeights:
@@ -59,16 +101,12 @@ def load(w: WeightLoader, i: int, a) -> MoEWeights:
                   "shared_down": w.matrix(p + "ffn_down_shexp.weight", D, S)}
         if w.has(p + "ffn_gate_inp_shexp.weight"):
             shared["shared_gate_inp"] = w.row_matrix(p + "ffn_gate_inp_shexp.weight", D)
-    home = w.backend_for(p + "ffn_gate_exps.weight")
-    if any(w.backend_for(p + f"ffn_{x}_exps.weight") is not home for x in ("up", "down")):
-        raise ModelError(f"layer {i}: its gate, up and down experts must be placed on one "
-                         "backend (check the tensor overrides)")
-    return MoEWeights(router=w.matrix(p + "ffn_gate_inp.weight", E, D),
-                      gate=w.experts(p + "ffn_gate_exps.weight", E, F, D),
-                      up=w.experts(p + "ffn_up_exps.weight", E, F, D),
+    home = expert_home(w, p, i)
+    gate, up = gate_up(w, p, E, F, D)
+    return MoEWeights(router=w.matrix(p + "ffn_gate_inp.weight", E, D), gate=gate, up=up,
                       down=w.experts(p + "ffn_down_exps.weight", E, D, F),
                       backend=None if home is w.backend_for(p + "attn_norm.weight") else home,
-                      **shared)
+                      down_scale=down_scale(w, p, E), **shared)
 
 
 def spec(a, norm: bool, activation: str = "silu", gating: str = "softmax") -> MoESpec:

@@ -43,7 +43,7 @@ def parse_gpu_layers(value: Any) -> int | str:
 
 
 # An expert stack's name, as llama.cpp's --cpu-moe and --n-cpu-moe match it.
-EXPERTS = r"\.ffn_(up|down|gate)_exps"
+EXPERTS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 _GPU_NAMES = re.compile(r"(gpu|cuda\d*|metal|mtl\d*|torch|mlx)", re.IGNORECASE)
 
 

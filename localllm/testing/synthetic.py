@@ -66,6 +66,10 @@ class Spec:
     #                                  output's, router's and experts' biases, the pre-FFN
     #                                  norm named post_attention_norm
     ffn_in_gain: float = 1.0         # experts' gate/up outputs times this (their down / it^2)
+    fused_experts: bool = False      # gate and up experts in one ffn_gate_up_exps stack (each
+    #                                  expert's gate rows, then its up rows) and a scale per
+    #                                  expert on its down output (ffn_down_exps.scale), as
+    #                                  Gemma 4's converter writes them
     # Gemma 4 (arch "gemma4"): sliding flags per layer, the sliding layers' head size and
     # rope base, the trailing layers that read an earlier layer's KV, per-layer token
     # embeddings of this width (0: none), full layers without attn_v (V = K), the final
@@ -161,6 +165,10 @@ MOE_SPECS = {
                       swa_head_dim=64, sliding_window=128, shared_kv=2, softcap=50.0,
                       margin=8.0, block_gain=0.08, n_experts=8, n_used=2, expert_hidden=128),
 }
+
+# Gemma 4's MoE as its converter writes it: gate and up experts fused into one stack, and
+# its per_expert_scale as a scale on each expert's output
+MOE_SPECS["gemma4moe_fused"] = replace(MOE_SPECS["gemma4moe"], fused_experts=True)
 
 MOE_SPECS["gptoss"] = Spec(
     # gpt-oss-20b's shape scaled down: 8 query heads of 64 over 2 KV heads, 4 layers (the
@@ -335,8 +343,7 @@ def _gemma4_matrices(s: Spec) -> list[tuple]:
             # std 2; the experts' output is normed (post_ffw_norm_2)
             F, E = s.expert_hidden, s.n_experts
             out.append((p + "ffn_gate_inp.weight", "F32", E, s.dim, 2.0))
-            out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, unit)
-                    for x in ("gate", "up")]
+            out += _gate_up_stacks(s, p, unit)
             out.append((p + "ffn_down_exps.weight", t["exps_down"], E * s.dim, F,
                         1 / math.sqrt(F)))
         if P:
@@ -386,8 +393,7 @@ def _expert_matrices(s: Spec, p: str) -> list[tuple]:
     t, unit, F, E = s.types, 1 / math.sqrt(s.dim), s.expert_hidden, s.n_experts
     g = s.ffn_in_gain
     out = [(p + "ffn_gate_inp.weight", "F32", E, s.dim, 2 * unit)]
-    out += [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, g * unit)
-            for x in ("gate", "up")]
+    out += _gate_up_stacks(s, p, g * unit)
     out.append((p + "ffn_down_exps.weight", t["exps_down"], E * s.dim, F,
                 s.block_gain / math.sqrt(F) / g ** 2))
     if s.shared_hidden:
@@ -398,10 +404,29 @@ def _expert_matrices(s: Spec, p: str) -> list[tuple]:
     return out
 
 
+def _gate_up_stacks(s: Spec, p: str, std: float) -> list[tuple]:
+    """A layer's gate and up expert stacks, or the one fused stack of both."""
+    E, F, t = s.n_experts, s.expert_hidden, s.types
+    if s.fused_experts:
+        return [(p + "ffn_gate_up_exps.weight", t["exps"], E * 2 * F, s.dim, std)]
+    return [(p + f"ffn_{x}_exps.weight", t["exps"], E * F, s.dim, std) for x in ("gate", "up")]
+
+
+def _expert_scales(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
+    """Fused files' per-expert output scales (0.2 to 4.5: enough to move a token's mix)."""
+    if not s.fused_experts:
+        return []
+    return [(f"blk.{i}.ffn_down_exps.scale",
+             np.exp(rng.uniform(-1.5, 1.5, s.n_experts)).astype(np.float32))
+            for i in range(s.n_layers)]
+
+
 def _stack_shape(s: Spec, tname: str) -> tuple | None:
     """(experts, rows) of a stacked expert tensor, None for a matrix."""
     if "_exps." not in tname:
         return None
+    if "gate_up" in tname:
+        return s.n_experts, 2 * s.expert_hidden
     return s.n_experts, (s.dim if "down" in tname else s.expert_hidden)
 
 
@@ -548,7 +573,7 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
             w.add_tensor(tname, raw, raw_dtype=GGMLQuantizationType[type_name])
         if tname == "token_embd.weight":
             embd = dequantize(raw.reshape(-1), type_name, (vocab, s.dim))
-    vectors = _vectors(s, rng)
+    vectors = _vectors(s, rng) + _expert_scales(s, rng)
     for tname, values in vectors:
         if tname not in drop:
             w.add_tensor(tname, values)

@@ -19,6 +19,7 @@ from support.backends import device_agreement
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
 NAMES = ["gemma4", "gemma4_nople", "gemma4moe"]
+FUSED = "gemma4moe_fused"   # the MoE file with fused gate/up experts and output scales
 DEVICE_TOP1, DEVICE_KL = 0.95, 0.01   # torch and MLX (float activations) against the CPU
 
 
@@ -31,7 +32,8 @@ def load_case(case: str) -> dict:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, metas):
     d = tmp_path_factory.mktemp("gemma4")
-    return {name: synthetic.write(name, d / f"{name}.gguf", metas["smollm"]) for name in NAMES}
+    return {name: synthetic.write(name, d / f"{name}.gguf", metas["smollm"])
+            for name in NAMES + [FUSED]}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +106,8 @@ def test_two_sequences_in_one_step_are_each_what_they_are_alone(models):
     assert np.array_equal(np.asarray(got[1]).view(np.uint32), want_b.view(np.uint32))
 
 
-@pytest.mark.parametrize("backend", ["torch", "mlx"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("backend, name", [(b, n) for n in NAMES for b in ("torch", "mlx")]
+                         + [("torch", FUSED)])
 def test_device_backends_agree_with_the_cpu(files, models, backend, name):
     ids = load_case(name)["ids"].tolist()
     want = log_softmax(models(name).logits(ids))

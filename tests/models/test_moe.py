@@ -21,6 +21,9 @@ TOP1_MARGIN = 0.015    # below llama.cpp's own token-by-token agreement with its
 GREEDY_MIN = 0.95      # share of llama.cpp's greedy tokens we predict, teacher-forced
 DEVICE_TOP1, DEVICE_KL = 0.95, 0.01   # torch and MLX (float activations) against the CPU
 CASES = sorted(synthetic.MOE_CASES)
+# Cases whose one detail moves the KL but not the top-1: Gemma 4's per-expert output scales
+# (measured mean KL 2.0e-4 with them, 2.8e-3 with them left out)
+KL_TIGHT = {"gemma4moe_fused": 1e-3}
 
 
 def load_case(case: str) -> dict:
@@ -65,7 +68,7 @@ def test_logits_agree_with_llama_cpp(moe_models, case):
           f"(llama.cpp token by token against its batch: top-1 {fx['self']['top1']:.4f}, "
           f"KL {fx['self']['kl_mean']:.2e})")
     assert top1 >= fx["self"]["top1"] - TOP1_MARGIN
-    assert kl.mean() <= KL_MAX
+    assert kl.mean() <= KL_TIGHT.get(case, KL_MAX)
 
 
 @pytest.mark.parametrize("case", CASES)
