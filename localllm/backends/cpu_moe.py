@@ -36,6 +36,7 @@ class Experts:
     K: int
     parts: tuple
     mapped: bool = False
+    stacked: np.ndarray | None = None  # mapped: the file's (n_experts, N, row bytes)
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +69,11 @@ def map_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int)
         raise ValueError(f"experts: {raw.size} bytes for {n_experts} x ({N}, {K}) {type_name}")
     parts = tuple(mapped_k.view(type_name, raw[e * per:(e + 1) * per], N, K)
                   for e in range(n_experts))
-    return Experts(type_name, N, K, parts, mapped=True)
+    stacked = raw.reshape(n_experts, N, per // N)
+    if stacked.flags.writeable:
+        stacked = stacked.view()
+        stacked.flags.writeable = False
+    return Experts(type_name, N, K, parts, mapped=True, stacked=stacked)
 
 
 def pack_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int,
@@ -140,6 +145,19 @@ def _swiglu(act: mm.QuantActivations, gate, up, down, activation: str,
     return y
 
 
+def _one_token(act, w, groups, k: int, activation: str) -> np.ndarray:
+    """A decode step's k experts, each matrix kind in one parallel region (mapped stacks):
+    the bits of the expert-by-expert loop, as every row is computed and quantized alone.
+    Returns: float32 (k, dim), slot j's output at row j."""
+    ids = np.empty(k, np.int64)
+    for e, pairs in groups:
+        ids[pairs] = e
+    g = mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act)
+    u = mapped_k.matmul_stack(w.up.type_name, w.up.stacked, ids, act)
+    h = _quantize_for(glu(g, u, activation), [w.down.parts[0]])
+    return mapped_k.matmul_stack(w.down.type_name, w.down.stacked, ids, h)
+
+
 def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     """The backend's ``moe_ffn`` (see backends/base.py) on numpy arrays.
 
@@ -164,11 +182,14 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     if w.router_bias is not None:
         logits += w.router_bias
     weights, groups = route_tokens(logits, spec)
-    y = np.empty((n * k, dim), np.float32)
     mapped = (w.gate.mapped, w.up.mapped, w.down.mapped)
-    for e, pairs in groups:
-        y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
-                           w.down.parts[e], spec.activation, expert_biases(w, e), mapped)
+    if n == 1 and all(mapped) and w.gate_bias is None:
+        y = _one_token(act, w, groups, k, spec.activation)
+    else:
+        y = np.empty((n * k, dim), np.float32)
+        for e, pairs in groups:
+            y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
+                               w.down.parts[e], spec.activation, expert_biases(w, e), mapped)
     shared, shared_gate = _NO_SHARED, _NO_GATE
     if w.shared_up is not None:
         shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, spec.activation)

@@ -149,3 +149,74 @@ def matmul_mapped(weight: MappedWeight, act: QuantActivations) -> np.ndarray:
                   fields.get("mn", empty), act.q32 or _NO_Q32, act.q256 or _NO_Q256, act.x,
                   out, tmp)
     return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def mapped_stack_kernel(code, rows3, ids, w, qs, hb, d, m, sc, mn, a32, a256, x, out, tmp):
+    """out[j] = x[j] @ W[ids[j]].T (x[0] for every j when x has one row) for a stack of
+    raw matrices ``rows3`` (n_experts, N, row bytes): all (j, tile) pairs in one parallel
+    region, each tile formed and multiplied as ``mapped_kernel`` does."""
+    K = x.shape[1]
+    n_tiles = out.shape[1] // P.ROWS
+    n_items = ids.shape[0] * n_tiles
+    slots = tmp.shape[1] // P.ROWS
+    for s in prange(slots):
+        v = np.empty(8, np.int64)
+        for item in range(s, n_items, slots):
+            j = item // n_tiles
+            r0 = (item % n_tiles) * P.ROWS
+            rows = rows3[ids[j]]
+            P.repack_tile_quants(code, rows, r0, K, s, qs, hb, v)
+            if code == P._MXFP4:
+                _mxfp4_scales(rows, r0, K, s, d)
+            else:
+                P.repack_tile_scales(code, rows, r0, K, s, d, m, sc, mn)
+            r = 0 if x.shape[0] == 1 else j
+            matmul_tile(w, s, (a32[0][r:r + 1], a32[1][r:r + 1], a32[2][r:r + 1],
+                               a32[3][r:r + 1]),
+                        (a256[0][r:r + 1], a256[1][r:r + 1], a256[2][r:r + 1]),
+                        x[r:r + 1], tmp[j:j + 1])
+            for q in range(P.ROWS):
+                out[j, r0 + q] = tmp[j, s * P.ROWS + q]
+
+
+def _scratch(name: str, slots: int, K: int):
+    fields = P._alloc(name, slots * P.ROWS, K)
+    if name in ("IQ4_NL", "IQ4_XS"):
+        fields["lut"] = P._IQ4_LUT
+    elif name == "MXFP4":
+        fields["lut"] = P._MXFP4_LUT
+    return P.packed_class(name)(**fields), fields
+
+
+def matmul_stack(type_name: str, rows3: np.ndarray, ids: np.ndarray,
+                 act: QuantActivations) -> np.ndarray:
+    """out[j] = act row j (or its only row) @ W_{ids[j]}.T for a stack of raw matrices in one
+    parallel region (a decode step's experts without a region per matrix); bit-identical
+    to ``matmul_mapped`` on each expert's view.
+
+    Args:
+        type_name: GGML type; rows3: read-only uint8 (n_experts, N, row bytes), the file's.
+        ids: int (m,) the experts; act: m rows, or one row shared by all.
+    Returns:
+        float32 (m, N).
+    """
+    E, N, _ = rows3.shape
+    K = act.x.shape[1]
+    n = act.x.shape[0]
+    if rows3.shape[2] != quants.row_nbytes(type_name, K) or n not in (1, len(ids)):
+        raise ValueError(f"matmul_stack: x is {act.x.shape} for {E} x ({N}, ?) {type_name}")
+    kind = "q256" if type_name in P.SUPERBLOCK_FORMATS else "q32"
+    if getattr(act, kind) is None:
+        raise ValueError(f"matmul_stack: {type_name} reads {kind} activations")
+    slots = max(1, min(numba.get_num_threads(), len(ids) * (N // P.ROWS)))
+    w, fields = _scratch(type_name, slots, K)
+    empty = P._EMPTY
+    out = np.empty((len(ids), N), np.float32)
+    tmp = np.empty((len(ids), slots * P.ROWS), np.float32)
+    mapped_stack_kernel(P._CODE[type_name], rows3, np.ascontiguousarray(ids, np.int64), w,
+                        fields["qs"].view(np.uint32), fields.get("hb", empty).view(np.uint32),
+                        fields["d"], fields.get("m", fields.get("dmin", empty)),
+                        fields.get("sc", empty), fields.get("mn", empty),
+                        act.q32 or _NO_Q32, act.q256 or _NO_Q256, act.x, out, tmp)
+    return out
