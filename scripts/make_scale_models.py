@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Write the scale ladder: random-weight GGUFs of real model shapes (Llama 3.2 1B and 3B,
-Llama 3.1 8B, Gemma 3 4B, and OLMoE-1B-7B's mixture of experts) with their real tokenizers, quantized by llama.cpp's own quantizer
-so the per-tensor mix of types is the one people download.
+Llama 3.1 8B, Gemma 3 4B, OLMoE-1B-7B's mixture of experts, and four layers of Qwen3-30B-A3B's)
+with their real tokenizers, quantized by llama.cpp's own quantizer so the per-tensor mix of
+types is the one people download.
 
 The F16 file is written tensor by tensor from a pool of random values (memory stays near one
 tensor), quantized with `llama_cpp.llama_model_quantize`, then deleted. Tokenizers come from
@@ -48,12 +49,18 @@ class Shape:
 SHAPES = {
     "llama-3.2-1b": Shape("llama", "llama-bpe", 2048, 16, 32, 8, 64, 8192, 500000.0, True, 131072),
     "llama-3.2-3b": Shape("llama", "llama-bpe", 3072, 28, 24, 8, 128, 8192, 500000.0, True, 131072),
-    "llama-3.1-8b": Shape("llama", "llama-bpe", 4096, 32, 32, 8, 128, 14336, 500000.0, False, 131072),
+    "llama-3.1-8b": Shape("llama", "llama-bpe", 4096, 32, 32, 8, 128, 14336, 500000.0, False,
+                          131072),
     "gemma-3-4b": Shape("gemma3", "gemma3", 2560, 34, 8, 4, 256, 10240, 1000000.0, True, 131072,
                         sliding_window=1024),
     # 64 experts, top-8 (1.3B of its 6.9B parameters active), QK-norm over all heads
     "olmoe-1b-7b": Shape("olmoe", "gpt-2", 2048, 16, 16, 16, 128, 1024, 10000.0, False, 4096,
                          n_experts=64, n_used=8),
+    # Qwen3-30B-A3B's layer (128 experts of width 768, top-8; 32 query heads of 128 over 4 KV
+    # heads, QK-norm per head) in 4 of its 48 layers: the experts' memory and speed at real
+    # width, in a file (1.9 GB at Q4_K_M) that takes minutes, not an hour, to make
+    "qwen3-30b-a3b-4l": Shape("qwen3moe", "qwen2", 2048, 4, 32, 4, 128, 768, 1000000.0, False,
+                              40960, n_experts=128, n_used=8),
 }
 
 # llama.cpp's llama_ftype values for the quantizer.
@@ -107,6 +114,9 @@ def _tensors(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
         if s.arch == "olmoe":
             out += [(b + "attn_q_norm.weight", (q,), "norm"),
                     (b + "attn_k_norm.weight", (kv,), "norm")]
+        elif s.arch == "qwen3moe":
+            out += [(b + "attn_q_norm.weight", (s.head_dim,), "norm"),
+                    (b + "attn_k_norm.weight", (s.head_dim,), "norm")]
         if s.n_experts:
             E = s.n_experts
             out += [(b + "ffn_norm.weight", (D,), "norm"),
@@ -208,11 +218,13 @@ def ladder_path(out: Path, name: str, type_name: str) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--types", nargs="+", default=["Q4_K_M", "Q8_0", "Q4_0", "IQ4_XS"],
                     choices=list(FTYPES))
-    ap.add_argument("--out", type=Path, required=True, help="folder for the models (outside the repo)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="folder for the models (outside the repo)")
     ap.add_argument("--vocab-dir", type=Path,
                     default=Path(os.environ.get("LLAMA_CPP_MODELS", "vendor/llama.cpp/models")),
                     help="llama.cpp's models/ folder with the ggml-vocab-*.gguf files")
@@ -226,14 +238,16 @@ def main(argv=None) -> int:
         f16 = args.out / f"{name}.F16.gguf"
         t0 = time.perf_counter()
         write_f16(name, f16, args.vocab_dir)
-        print(f"{f16.name}: {f16.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{f16.name}: {f16.stat().st_size / 1e9:.2f} GB in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
         try:
             for t in todo:
                 dst = ladder_path(args.out, name, t)
                 t0 = time.perf_counter()
                 quantize(f16, dst.with_suffix(".part"), t, args.threads)
                 dst.with_suffix(".part").rename(dst)
-                print(f"{dst.name}: {dst.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
+                print(f"{dst.name}: {dst.stat().st_size / 1e9:.2f} GB in "
+                      f"{time.perf_counter() - t0:.0f} s",
                       flush=True)
         finally:
             f16.unlink(missing_ok=True)  # the F16 intermediate is large: never keep it

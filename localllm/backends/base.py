@@ -153,6 +153,11 @@ class Backend(Protocol):
     def plan_matrix_nbytes(self, type_name: str, N: int, K: int) -> int:
         """Bytes upload_matrix will take for a (N, K) matrix of this GGUF type."""
 
+    def plan_experts_nbytes(self, type_name: str, n_experts: int, N: int,
+                            K: int) -> tuple[int, int]:
+        """(anonymous, file-backed) bytes upload_experts will take for a stack of n_experts
+        (N, K) matrices: file-backed bytes are the mapped file's pages, read in place."""
+
     def plan_scratch_nbytes(self, largest: int) -> int:
         """Working bytes beyond activations, for matrices of at most ``largest`` elements."""
 

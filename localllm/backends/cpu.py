@@ -135,6 +135,14 @@ class CpuBackend:
             self._tile_bytes[key] = mm.pack(type_name, rows, 16, K).nbytes
         return -(-N // 16) * self._tile_bytes[key]
 
+    def plan_experts_nbytes(self, type_name: str, n_experts: int, N: int,
+                            K: int) -> tuple[int, int]:
+        """Quantized experts are read from the mapped file in place: (0, their file bytes);
+        others are packed: (packed bytes, 0)."""
+        if cpu_moe.can_map(type_name, N, K):
+            return 0, n_experts * N * row_nbytes(type_name, K)
+        return n_experts * self.plan_matrix_nbytes(type_name, N, K), 0
+
     def plan_scratch_nbytes(self, largest: int) -> int:
         return 0  # the kernels read the packed blocks directly
 
@@ -168,6 +176,9 @@ class CpuBackend:
         return w
 
     def upload_experts(self, name, type_name, raw, n_experts, N, K, done=None):
+        if cpu_moe.can_map(type_name, N, K):
+            # the file's pages are the weights: ``done`` is not told, so they stay mapped
+            return cpu_moe.map_experts(type_name, raw, n_experts, N, K)
         w = cpu_moe.pack_experts(type_name, raw, n_experts, N, K, done)
         self._held += w.nbytes
         return w
@@ -181,7 +192,8 @@ class CpuBackend:
         return Embedding(type_name, rows, dim)
 
     def matrix_nbytes(self, w) -> int:
-        return int(w.nbytes)
+        """Anonymous bytes plus those read from the mapped file in place (mapped experts)."""
+        return int(w.nbytes) + int(w.file_nbytes)
 
     def embed(self, table: Embedding, ids, scale: float = 1.0):
         ids = np.asarray(ids, np.int64)

@@ -1,6 +1,8 @@
 """The CPU backend's mixture-of-experts FFN: the router, then each expert that some token of
-the chunk chose, run once over those tokens with the ordinary matmul kernels on the expert's
-own packed blocks, and the weighted sum per token in rank order (kernels/moe.py).
+the chunk chose, run once over those tokens with the ordinary matmul kernels, and the
+weighted sum per token in rank order (kernels/moe.py). Quantized experts are read in place
+from the mapped file (kernels/mapped.py: the packed kernels' bits, tile by tile), so a model
+larger than the memory left for copies still loads; float experts are packed.
 
 A decode step reads only its top-k experts; a prompt chunk reads each chosen expert once.
 The matmul kernels compute every row on its own, so grouping tokens by expert leaves each
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from localllm.formats.quants import row_nbytes
+from localllm.kernels import mapped as mapped_k
 from localllm.kernels import matmul as mm
 from localllm.kernels import moe as moe_k
 from localllm.kernels import ops
@@ -26,15 +29,51 @@ _NO_GATE = np.zeros(0, np.float32)
 
 @dataclass(frozen=True)
 class Experts:
-    """A layer's stack of expert matrices, one packed Weight each."""
+    """A layer's stack of expert matrices, by expert id: packed ``matmul.Weight``s, or
+    (``mapped``) ``mapped.MappedWeight`` views of the file's bytes."""
     type_name: str
     N: int
     K: int
-    parts: tuple   # of matmul.Weight, by expert id
+    parts: tuple
+    mapped: bool = False
+    stacked: np.ndarray | None = None  # mapped: the file's (n_experts, N, row bytes)
 
     @property
     def nbytes(self) -> int:
+        """Anonymous bytes (mapped experts hold none)."""
         return sum(w.nbytes for w in self.parts)
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes read from the mapped file in place."""
+        return sum(w.file_nbytes for w in self.parts) if self.mapped else 0
+
+
+def can_map(type_name: str, N: int, K: int) -> bool:
+    """Whether experts of this type and shape are read from the file in place."""
+    return mapped_k.can_map(type_name, N, K)
+
+
+def map_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int) -> Experts:
+    """Zero-copy views of a GGUF 3-D expert tensor, expert by expert.
+
+    Args:
+        type_name: GGML type; raw: the tensor's bytes (a view of the mapped file);
+            n_experts, N, K: its shape.
+    Returns:
+        Experts with ``mapped`` set.
+    """
+    per = N * row_nbytes(type_name, K)
+    raw = raw.reshape(-1)
+    if raw.size != n_experts * per:
+        raise ValueError(f"experts: {raw.size} bytes for {n_experts} x ({N}, {K}) {type_name}")
+    parts = tuple(mapped_k.view(type_name, raw[e * per:(e + 1) * per], N, K)
+                  for e in range(n_experts))
+    stacked = raw.reshape(n_experts, N, per // N)
+    if stacked.flags.writeable:
+        stacked = stacked.view()
+        stacked.flags.writeable = False
+    return Experts(type_name, N, K, parts, mapped=True, stacked=stacked)
 
 
 def pack_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int,
@@ -87,18 +126,36 @@ def glu(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
     return out
 
 
-def _swiglu(act: mm.QuantActivations, gate: mm.Weight, up: mm.Weight, down: mm.Weight,
-            activation: str, biases=(None, None, None)) -> np.ndarray:
+def _matmul(w, act: mm.QuantActivations, mapped: bool) -> np.ndarray:
+    return mapped_k.matmul_mapped(w, act) if mapped else mm.matmul(w, act)
+
+
+def _swiglu(act: mm.QuantActivations, gate, up, down, activation: str,
+            biases=(None, None, None), mapped=(False, False, False)) -> np.ndarray:
     """One expert (or the shared one) over the rows of ``act``; ``biases``: the gate's, the
-    up's and the down's, each added to its matmul's output (None: none)."""
-    g, u = mm.matmul(gate, act), mm.matmul(up, act)
+    up's and the down's, each added to its matmul's output (None: none); ``mapped``: which
+    of the three are MappedWeights."""
+    g, u = _matmul(gate, act, mapped[0]), _matmul(up, act, mapped[1])
     if biases[0] is not None:
         g += biases[0]
         u += biases[1]
-    y = mm.matmul(down, _quantize_for(glu(g, u, activation), [down]))
+    y = _matmul(down, _quantize_for(glu(g, u, activation), [down]), mapped[2])
     if biases[2] is not None:
         y += biases[2]
     return y
+
+
+def _one_token(act, w, groups, k: int, activation: str) -> np.ndarray:
+    """A decode step's k experts, each matrix kind in one parallel region (mapped stacks):
+    the bits of the expert-by-expert loop, as every row is computed and quantized alone.
+    Returns: float32 (k, dim), slot j's output at row j."""
+    ids = np.empty(k, np.int64)
+    for e, pairs in groups:
+        ids[pairs] = e
+    g = mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act)
+    u = mapped_k.matmul_stack(w.up.type_name, w.up.stacked, ids, act)
+    h = _quantize_for(glu(g, u, activation), [w.down.parts[0]])
+    return mapped_k.matmul_stack(w.down.type_name, w.down.stacked, ids, h)
 
 
 def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
@@ -125,10 +182,14 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     if w.router_bias is not None:
         logits += w.router_bias
     weights, groups = route_tokens(logits, spec, w.down_scale)
-    y = np.empty((n * k, dim), np.float32)
-    for e, pairs in groups:
-        y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
-                           w.down.parts[e], spec.activation, expert_biases(w, e))
+    mapped = (w.gate.mapped, w.up.mapped, w.down.mapped)
+    if n == 1 and all(mapped) and w.gate_bias is None:
+        y = _one_token(act, w, groups, k, spec.activation)
+    else:
+        y = np.empty((n * k, dim), np.float32)
+        for e, pairs in groups:
+            y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
+                               w.down.parts[e], spec.activation, expert_biases(w, e), mapped)
     shared, shared_gate = _NO_SHARED, _NO_GATE
     if w.shared_up is not None:
         shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, spec.activation)

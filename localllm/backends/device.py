@@ -236,6 +236,10 @@ class DeviceBackend:
     def matrix_nbytes(self, w: Any) -> int:
         return w.nbytes
 
+    def plan_experts_nbytes(self, type_name: str, n_experts: int, N: int,
+                            K: int) -> tuple[int, int]:
+        return n_experts * self.plan_matrix_nbytes(type_name, N, K), 0  # copied to the device
+
     def upload_experts(self, name: str, type_name: str, raw: Any, n_experts: int, N: int,
                        K: int, done: Any = None) -> DeviceExperts:
         per = N * row_nbytes(type_name, K)

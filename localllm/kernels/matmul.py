@@ -332,6 +332,10 @@ class Weight:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.packed)
 
+    @property
+    def file_nbytes(self) -> int:
+        return 0  # a copy: nothing is read from the file in place
+
 
 def pack(type_name: str, raw: np.ndarray, N: int, K: int, done=None) -> Weight:
     """Repack GGUF tensor bytes (N rows of K elements) for the kernels.

@@ -153,30 +153,37 @@ def _store_crumbs(v, shift, out, o):
         out[o + 16 * half] = w
 
 
+@njit(inline="always")
+def repack_tile_quants(code, rows, r0, K, tile, qs, hb, v):
+    """Values of raw rows r0..r0+15 -> the qs (and hb) uint32 words of tile ``tile``
+    (``v``: int64 scratch of 8)."""
+    nc = K // 32
+    for c in range(nc):
+        tc = tile * nc + c
+        for r in range(ROWS):
+            _chunk_words(code, rows[r0 + r], c, v)
+            if code == _Q8_0:
+                for j in range(8):
+                    qs[tc * 128 + j * 16 + r] = v[j]
+            elif code == _Q2_K or code == _Q3_K:
+                _store_crumbs(v, 0, qs, tc * 32 + r)
+                if code == _Q3_K:
+                    _store_bits(v, 2, hb, tc * 16 + r)
+            else:
+                for g in range(4):
+                    qs[tc * 64 + g * 16 + r] = (v[g] & M0F) | ((v[g + 4] & M0F) << 4)
+                if code == _Q6_K:
+                    _store_crumbs(v, 4, hb, tc * 32 + r)
+                elif code == _Q5_0 or code == _Q5_1 or code == _Q5_K:
+                    _store_bits(v, 4, hb, tc * 16 + r)
+
+
 @njit(cache=True, parallel=True)
 def _repack_quants(code, rows, K, t0, qs, hb):
     """Values of whole tiles of raw rows -> the qs (and hb) uint32 words of tiles t0.. ."""
-    nc = K // 32
     for t in prange(rows.shape[0] // ROWS):
         v = np.empty(8, np.int64)
-        for c in range(nc):
-            tc = (t0 + t) * nc + c
-            for r in range(ROWS):
-                _chunk_words(code, rows[t * ROWS + r], c, v)
-                if code == _Q8_0:
-                    for j in range(8):
-                        qs[tc * 128 + j * 16 + r] = v[j]
-                elif code == _Q2_K or code == _Q3_K:
-                    _store_crumbs(v, 0, qs, tc * 32 + r)
-                    if code == _Q3_K:
-                        _store_bits(v, 2, hb, tc * 16 + r)
-                else:
-                    for g in range(4):
-                        qs[tc * 64 + g * 16 + r] = (v[g] & M0F) | ((v[g + 4] & M0F) << 4)
-                    if code == _Q6_K:
-                        _store_crumbs(v, 4, hb, tc * 32 + r)
-                    elif code == _Q5_0 or code == _Q5_1 or code == _Q5_K:
-                        _store_bits(v, 4, hb, tc * 16 + r)
+        repack_tile_quants(code, rows, t * ROWS, K, t0 + t, qs, hb, v)
 
 
 @njit(inline="always")
@@ -205,29 +212,36 @@ def _sub_scales(code, row, o, j):
     return ((low | (high << 4)) - 32) & 255, np.int64(0)
 
 
+@njit(inline="always")
+def repack_tile_scales(code, rows, r0, K, tile, d, m, sc, mn):
+    """Per-block f16 scales (copied bit for bit) and sub-block scales of raw rows
+    r0..r0+15 -> the [tile][block][sub-block][row] arrays of tile ``tile``."""
+    ts = _TYPE_SIZE[code]
+    nb = K // 32 if code <= _LAST32 else K // 256
+    do, mo, ns = _D_OFF[code], _M_OFF[code], _N_SC[code]
+    for b in range(nb):
+        ob = (tile * nb + b) * ROWS
+        for r in range(ROWS):
+            row = rows[r0 + r]
+            o = b * ts
+            d[(ob + r) * 2] = row[o + do]
+            d[(ob + r) * 2 + 1] = row[o + do + 1]
+            if mo >= 0:
+                m[(ob + r) * 2] = row[o + mo]
+                m[(ob + r) * 2 + 1] = row[o + mo + 1]
+            for j in range(ns):
+                a, z = _sub_scales(code, row, o, j)
+                sc[(ob * ns) + j * ROWS + r] = a
+                if _HAS_MN[code]:
+                    mn[(ob * ns) + j * ROWS + r] = z
+
+
 @njit(cache=True, parallel=True)
 def _repack_scales(code, rows, K, t0, d, m, sc, mn):
     """Per-block f16 scales (copied bit for bit) and sub-block scales of whole tiles of raw
     rows -> the [tile][block][sub-block][row] arrays of tiles t0.. ."""
-    ts = _TYPE_SIZE[code]
-    nb = K // 32 if code <= _LAST32 else K // 256
-    do, mo, ns = _D_OFF[code], _M_OFF[code], _N_SC[code]
     for t in prange(rows.shape[0] // ROWS):
-        for b in range(nb):
-            ob = ((t0 + t) * nb + b) * ROWS
-            for r in range(ROWS):
-                row = rows[t * ROWS + r]
-                o = b * ts
-                d[(ob + r) * 2] = row[o + do]
-                d[(ob + r) * 2 + 1] = row[o + do + 1]
-                if mo >= 0:
-                    m[(ob + r) * 2] = row[o + mo]
-                    m[(ob + r) * 2 + 1] = row[o + mo + 1]
-                for j in range(ns):
-                    a, z = _sub_scales(code, row, o, j)
-                    sc[(ob * ns) + j * ROWS + r] = a
-                    if _HAS_MN[code]:
-                        mn[(ob * ns) + j * ROWS + r] = z
+        repack_tile_scales(code, rows, t * ROWS, K, t0 + t, d, m, sc, mn)
 
 
 def _lut(table) -> np.ndarray:
@@ -287,7 +301,8 @@ def _pack_slab(name: str, slab: np.ndarray, K: int, t0: int, fields: dict) -> No
 
 _PACKED = {
     "Q4_0": PackedQ4_0, "Q4_1": PackedQ4_1, "Q5_0": PackedQ5_0, "Q5_1": PackedQ5_1,
-    "Q8_0": PackedQ8_0, "IQ4_NL": PackedIQ4_NL, "MXFP4": PackedMXFP4, "Q2_K": PackedQ2_K, "Q3_K": PackedQ3_K,
+    "Q8_0": PackedQ8_0, "IQ4_NL": PackedIQ4_NL, "MXFP4": PackedMXFP4, "Q2_K": PackedQ2_K,
+    "Q3_K": PackedQ3_K,
     "Q4_K": PackedQ4_K, "Q5_K": PackedQ5_K, "Q6_K": PackedQ6_K, "IQ4_XS": PackedIQ4_XS,
     "F32": PackedF32, "F16": PackedF16, "BF16": PackedBF16,
 }

@@ -139,11 +139,12 @@ class DevicePlan:
     pool: str                   # the memory it allocates from (backends may share one)
     layers: list = field(default_factory=list)
     head: bool = False
-    weight_bytes: int = 0
+    weight_bytes: int = 0       # anonymous: the backend's own copies
     kv_per_token: int = 0       # KV bytes per token over its layers
     scratch_bytes: int = 0      # activations of one batch, logits, dequantization scratch
     largest: int = 0            # elements of its largest matrix
-    expert_bytes: int = 0       # of weight_bytes, the experts' (ffn_*_exps)
+    expert_bytes: int = 0       # the experts' (ffn_*_exps), anonymous or file-backed
+    file_bytes: int = 0         # file-backed: pages of the mapped GGUF read in place
 
     @property
     def label(self) -> str:
@@ -203,14 +204,17 @@ class MemoryPlan:
                  f"context {self.ctx}, KV {self.k_type}/{self.v_type}, KV pool "
                  f"{self.pool_tokens} tokens",
                  f"  {'device':22s} {'layers':>12s} {'weights':>11s} {'experts':>11s} "
-                 f"{'KV':>11s} {'scratch':>11s} {'total':>11s} {'free':>11s}"]
+                 f"{'KV':>11s} {'scratch':>11s} {'total':>11s} {'free':>11s} {'mapped':>11s}"]
         for d in self.devices:
             span = _span(d.layers) + (" +head" if d.head else "")
             lines.append(f"  {d.label:22s} {span or '-':>12s} {d.weight_bytes / mib:8.1f} MiB "
                          f"{d.expert_bytes / mib:7.1f} MiB "
                          f"{self.kv_bytes(d) / mib:7.1f} MiB {d.scratch_bytes / mib:7.1f} MiB "
                          f"{self.total(d) / mib:7.1f} MiB "
-                         f"{self.free.get(d.pool, 0) / mib:7.0f} MiB")
+                         f"{self.free.get(d.pool, 0) / mib:7.0f} MiB "
+                         f"{d.file_bytes / mib:7.1f} MiB")
+        lines.append("  total: anonymous memory (weights, KV, scratch); mapped: pages of the model "
+                     "file read in place (page cache), outside total")
         return "\n".join(lines)
 
 
@@ -239,6 +243,7 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
     first) with the last n_gpu layers on the second."""
     n = args.n_layers
     first_gpu = n - n_gpu
+    host = pools[0][1]
     devs = [DevicePlan(be, pool) for be, pool in pools]
     gpu = devs[1] if len(devs) > 1 else None
     head = gpu if gpu is not None and n_gpu > 0 else devs[0]
@@ -259,16 +264,23 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
         elif name.startswith("output") or (name == "token_embd.weight" and tied):
             d = head
         else:
-            continue  # the embedding's rows are read from the mapped file on lookup
+            # the embedding's rows are read from the mapped file on lookup
+            devs[0].file_bytes += int(t.nbytes) if name == "token_embd.weight" else 0
+            continue
         if len(t.shape) == 2:
             N, K = (int(s) for s in t.shape)
             d.weight_bytes += d.backend.plan_matrix_nbytes(t.type_name, N, K)
             d.largest = max(d.largest, N * K)
-        elif len(t.shape) == 3:  # a stack of experts, each packed as a matrix
+        elif len(t.shape) == 3:  # a stack of experts, copied or read from the file in place
             E, N, K = (int(s) for s in t.shape)
-            nbytes = E * d.backend.plan_matrix_nbytes(t.type_name, N, K)
-            d.weight_bytes += nbytes
-            d.expert_bytes += nbytes
+            anon, mapped = d.backend.plan_experts_nbytes(t.type_name, E, N, K)
+            if d.pool != host or "gate_up_exps" in name:
+                # only the host's memory holds the file's pages, and a fused gate/up stack
+                # is copied out into its two halves (WeightLoader.experts_split)
+                anon, mapped = anon + mapped, 0
+            d.weight_bytes += anon
+            d.file_bytes += mapped
+            d.expert_bytes += anon + mapped
             d.largest = max(d.largest, N * K)
         else:
             d.weight_bytes += 4 * int(t.n_elements)
@@ -399,13 +411,17 @@ def _check(devs, req: PlanRequest, free: dict, host: str, n_gpu: int, n: int) ->
     mine = [d for d in devs if d.pool == host]
     if need.get(host, 0) > free[host]:
         weights = sum(d.weight_bytes for d in mine)
+        mapped = sum(d.file_bytes for d in mine)
+        beside = (f" (beside {mapped / _GIB:.2f} GiB read from the model file in place)"
+                  if mapped else "")
         kv = req.ctx * sum(d.kv_per_token for d in mine)
         scratch = sum(d.scratch_bytes for d in mine)
         where = (f" beside {n_gpu} layers on {devs[1].backend.device}"
                  if n_gpu and devs[1].pool != host else "")
         hint = " (try a smaller --ctx-size)" if kv > free[host] // 4 else ""
         raise NotEnoughMemory(
-            f"not enough memory: the model needs {weights / _GIB:.2f} GiB for weights and "
+            f"not enough memory: the model needs {weights / _GIB:.2f} GiB of its own for "
+            f"weights{beside} and "
             f"{kv / _GIB:.2f} GiB for a {req.ctx}-token KV cache (and {scratch / _GIB:.2f} GiB "
             f"of scratch){where}, {free[host] / _GIB:.2f} GiB is available{hint}",
             param="ctx_size" if hint else None)

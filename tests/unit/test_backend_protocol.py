@@ -127,9 +127,12 @@ def _experts(b, seed: int = 3) -> MoEWeights:
     bias = {x: (0.5 * rng.standard_normal((E, n))).astype(np.float32)
             for x, n in (("gate", F), ("up", F), ("down", DIM))}
     shape = {"gate": (F, DIM), "up": (F, DIM), "down": (DIM, F)}
+    experts = {x: b.upload_experts(x, "Q8_0", stack[x], E, *shape[x]) for x in stack}
+    for x, w in experts.items():  # the plan's bytes, anonymous and file-backed together
+        assert b.matrix_nbytes(w) == sum(b.plan_experts_nbytes("Q8_0", E, *shape[x]))
     return MoEWeights(
         router=b.upload_matrix("r", "F32", router.view(np.uint8).reshape(-1), E, DIM),
-        **{x: b.upload_experts(x, "Q8_0", stack[x], E, *shape[x]) for x in stack},
+        **experts,
         router_bias=b.upload_vector(rng.standard_normal(E).astype(np.float32)),
         **{f"{x}_bias": tuple(b.upload_vector(r) for r in bias[x]) for x in bias})
 
