@@ -509,7 +509,11 @@ class Model(EmbeddingMixin):
 
         def rollback(n: int) -> None:
             want = len(seq) - n
-            if seq.trim(want) != want:  # cannot happen for a draft within one KV block
+            tokens = seq.tokens[:want]
+            kept = seq.trim(want)
+            if kept != want and seq.rec is not None:
+                seq.feed(tokens[kept:])  # recurrent states resume from their last snapshot
+            elif kept != want:  # cannot happen for a draft within one KV block
                 raise SequenceError(f"could not roll a sequence back to {want} tokens")
 
         # Constrained text is checked byte for byte: decoded without space cleaning.

@@ -427,7 +427,10 @@ class Runner:
             common += 1
         kept = self.rewind(seq, common)
         cache = self.space.cache
-        if limit // cache.block_size * cache.block_size > kept:  # the cache may hold more
+        # the cache may hold more (in whole blocks; or, where states are snapshot at turn
+        # ends, in a released sequence's partial block)
+        if limit // cache.block_size * cache.block_size > kept or \
+                (self.space.recurrent and limit > kept):
             n, st = cache.match_prefix(ids, limit)
             snap = None
             if n > kept and seq.rec is not None:  # recurrent states exist at snapshots only
