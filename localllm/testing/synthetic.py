@@ -235,6 +235,12 @@ SPECS.update({
     "qwen35": Spec("qwen35", QWEN35_TYPES, pre="qwen35", n_layers=8, head_dim=64, n_rot=16,
                    rope_theta=10000000.0, context_length=262144, qk_norm=True,
                    ssm=(2, 4, 64, 4), rope_sections=(3, 3, 2, 0)),
+    # with a multi-token-prediction block after the trunk (loaded, not run), full attention
+    # every third layer, rope sections that leave a quarter of the pairs unrotated (the
+    # fourth section's position is 0 for text)
+    "qwen35_mtp": Spec("qwen35", QWEN35_TYPES, pre="qwen35", n_layers=7, head_dim=64,
+                       n_rot=16, rope_theta=10000000.0, context_length=262144, qk_norm=True,
+                       ssm=(4, 4, 64, 4), full_every=3, rope_sections=(2, 2, 2, 2), nextn=1),
 })
 ALL_SPECS = {**SPECS, **MOE_SPECS}
 
@@ -249,7 +255,7 @@ CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3"
          "llama_yarn": ("llama_yarn", 1024), "qwen2_yarn": ("qwen2_yarn", 1024),
          "smollm3": ("smollm3", 1024), "mistral3": ("mistral3", 1024),
          "gemma4": ("gemma4", 1024), "gemma4_nople": ("gemma4_nople", 1024),
-         "qwen35": ("qwen35", 1024)}
+         "qwen35": ("qwen35", 1024), "qwen35_mtp": ("qwen35_mtp", 1024)}
 MOE_CASES = {name: (name, 1024) for name in MOE_SPECS}
 
 
