@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense): a hybrid of Gated DeltaNet (linear attention) layers and, every
+"""Qwen3.5 (dense, and qwen35moe): a hybrid of Gated DeltaNet (linear attention) layers and, every
 ``full_attention_interval``-th layer, gated full attention, as llama.cpp 0.3.36 builds it.
 
 A DeltaNet layer projects the normed input to mixed q/k/v channels, an output gate z, write
@@ -8,18 +8,19 @@ times silu(z), projected back. A full-attention layer's query projection holds a
 a gate per head (interleaved); QK-norm, NeoX RoPE over the first n_rot dims (the multimodal
 rope sections reduce to that for text: every rotated pair takes the token's position, pairs
 of a fourth section position 0), attention, times sigmoid(gate). Both layer kinds add their
-output to the residual, then a SwiGLU FFN on ``post_attention_norm``. Multi-token-prediction
+output to the residual, then a SwiGLU FFN on ``post_attention_norm`` (qwen35moe: top-k
+softmax experts, renormalised, and a shared expert times its sigmoid gate). Multi-token-prediction
 blocks (``nextn_predict_layers``, the last blocks of the file) are not run, as in llama.cpp.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from localllm.backends.base import DeltaNetSpec, DeltaNetWeights, KVBatch, RopeSpec
 
-from . import llama
+from . import llama, moe
 from .block import BlockSpec
 from .common import ModelError, WeightLoader, meta_get, meta_int
 from .net import Net, PlacedLayer
@@ -170,6 +171,8 @@ class Model(Net):
                 weights = self.load_attention(w, i)
                 spec = BlockSpec(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, self.rope,
                                  1.0 / math.sqrt(a.head_dim))
+            if weights.ffn.get("moe") is not None:  # qwen35moe: renormalised top-k
+                spec = replace(spec, moe=moe.spec(a, True))
             self.layers.append(PlacedLayer(i, be, weights, spec))
         self.out_norm = w.vector("output_norm.weight", a.dim)
         name = "output.weight" if w.has("output.weight") else "token_embd.weight"
@@ -243,8 +246,17 @@ class Model(Net):
         x = be.add(x, o)
         f = w.ffn
         h = be.rms_norm(x, f["norm"], s.norm_eps)
-        gate, up = be.linear(h, [f["w_gate"], f["w_up"]])
-        return be.add(x, be.linear(be.glu(gate, up, "silu"), [f["w_down"]])[0])
+        experts = f.get("moe")
+        if experts is not None and experts.backend is not None:  # the experts live elsewhere
+            home = experts.backend
+            y = be.from_numpy(home.to_numpy(home.moe_ffn(home.from_numpy(be.to_numpy(h)),
+                                                         experts, s.moe)))
+        elif experts is not None:
+            y = be.moe_ffn(h, experts, s.moe)
+        else:
+            gate, up = be.linear(h, [f["w_gate"], f["w_up"]])
+            y = be.linear(be.glu(gate, up, "silu"), [f["w_down"]])[0]
+        return be.add(x, y)
 
     def forward(self, ids, positions, kv: KVBatch, logit_rows, hidden: bool = False):
         x = self.embed(ids)

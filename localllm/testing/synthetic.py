@@ -184,6 +184,18 @@ MOE_SPECS["gptoss"] = Spec(
           "rope.scaling.original_context_length": (4096, GGUFValueType.UINT32)})
 
 
+# Qwen3.5-MoE's layout in four layers (full attention in the last): top-2 of 8 experts,
+# renormalised, and a shared expert with its sigmoid gate
+MOE_SPECS["qwen35moe"] = Spec(
+    "qwen35moe", {"attn": "Q8_0", "attn_output": "Q5_0", "ssm": "Q8_0", "ssm_out": "Q6_K",
+                  "exps": "Q4_K", "exps_down": "Q8_0", "ffn": "Q8_0", "ffn_down": "Q8_0",
+                  "embd": "Q8_0", "output": "F16"},
+    pre="qwen35", n_layers=4, head_dim=64, n_rot=16, rope_theta=10000000.0,
+    context_length=262144, qk_norm=True, ssm=(2, 4, 64, 4), rope_sections=(3, 3, 2, 0),
+    n_experts=8, n_used=2, hidden_dim=256, expert_hidden=256, shared_hidden=256,
+    block_gain=0.25)
+
+
 # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context): the
 # converter writes the type, factor and original context; llama.cpp fixes the rest.
 def _yarn_meta(factor: float, original: int) -> dict:
@@ -312,7 +324,7 @@ def _matrices(s: Spec) -> list[tuple[str, str, int, int, float]]:
     out = [("token_embd.weight", t["embd"], 0, s.dim, 1.0)]
     if s.arch == "gemma4":
         return out + _gemma4_matrices(s)
-    if s.arch == "qwen35":
+    if s.arch in ("qwen35", "qwen35moe"):
         return out + _qwen35_matrices(s)
     for i in range(s.n_layers):
         p = f"blk.{i}."
@@ -433,10 +445,13 @@ def _qwen35_matrices(s: Spec) -> list[tuple]:
                     (p + "ssm_alpha.weight", "F32", Hv, s.dim, unit),
                     (p + "ssm_out.weight", t["ssm_out"], s.dim, vd,
                      4 * s.block_gain / math.sqrt(vd))]
-        out += [(p + f"{x}.weight", t["ffn"], s.hidden_dim, s.dim, unit)
-                for x in ("ffn_gate", "ffn_up")]
-        out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
-                    s.block_gain / math.sqrt(s.hidden_dim)))
+        if s.n_experts:
+            out += _expert_matrices(s, p)
+        else:
+            out += [(p + f"{x}.weight", t["ffn"], s.hidden_dim, s.dim, unit)
+                    for x in ("ffn_gate", "ffn_up")]
+            out.append((p + "ffn_down.weight", t["ffn_down"], s.dim, s.hidden_dim,
+                        s.block_gain / math.sqrt(s.hidden_dim)))
         if i >= s.n_layers - s.nextn:
             out.append((p + "nextn.eh_proj.weight", t["attn"], s.dim, 2 * s.dim, unit))
     return out
@@ -462,6 +477,9 @@ def _qwen35_vectors(s: Spec, norm, rng: np.random.Generator) -> list[tuple]:
                     (p + "ssm_dt.bias", f32(-1.5 + 0.5 * rng.standard_normal(Hv))),
                     (p + "ssm_a", f32(-np.exp(0.3 * rng.standard_normal(Hv)))),
                     (p + "ssm_norm.weight", norm(S))]
+        if s.shared_hidden:  # the shared expert's gate: logits of std 1
+            out.append((p + "ffn_gate_inp_shexp.weight",
+                        (rng.standard_normal(s.dim) / math.sqrt(s.dim)).astype(np.float32)))
         if i >= s.n_layers - s.nextn:
             out += [(p + "nextn.enorm.weight", norm(s.dim)),
                     (p + "nextn.hnorm.weight", norm(s.dim))]
@@ -512,7 +530,7 @@ def _vectors(s: Spec, rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
     norm = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
     if s.arch == "gemma4":
         return _gemma4_vectors(s, norm)
-    if s.arch == "qwen35":
+    if s.arch in ("qwen35", "qwen35moe"):
         return _qwen35_vectors(s, norm, rng)
     out = []
     for i in range(s.n_layers):
@@ -629,7 +647,7 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, drop: tuple = (),
         w.add_key_value(a + k, v, vt)
     if s.arch == "gemma4":
         _gemma4_meta(w, s)
-    if s.arch == "qwen35":
+    if s.arch in ("qwen35", "qwen35moe"):
         _qwen35_meta(w, s)
     if s.n_experts:
         moe = {"expert_count": s.n_experts, "expert_used_count": s.n_used,
