@@ -140,3 +140,20 @@ def test_gpu_backends_refuse_in_one_line(path):
         localllm.load(path, ctx_size=256, threads=1, weight_cache=False, backend="torch",
                       gpu_layers="all")
     assert "linear attention" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_speculative_drafts_roll_back_to_exact_states(path, model, tmp_path, metas):
+    """Drafts of another Qwen3.5 file (the MTP one: same vocabulary, other weights), most
+    of them rejected: each rollback lands on a snapshot and runs the kept tokens again, in
+    the target and in the draft model, so the greedy text is the plain one."""
+    draft = synthetic.write("qwen35_mtp", tmp_path / "draft.gguf", metas["smollm"])
+    ids = model.tokenize(TEXT)
+    plain, _ = _reply(model, ids, 24)
+    spec = localllm.load(path, ctx_size=1024, threads=2, weight_cache=False, draft=str(draft),
+                         draft_max=4)
+    try:
+        drafted, st = _reply(spec, ids, 24)
+    finally:
+        spec.close()
+    assert st.draft_tokens - st.accepted_tokens >= 3  # drafts were rejected
+    assert drafted == plain
