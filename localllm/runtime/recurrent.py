@@ -35,7 +35,7 @@ class SeqStates:
 class RecurrentSpace:
     """The recurrent layers of a model and the states of its sequences."""
 
-    def __init__(self, net, block_size: int, max_checkpoints: int = 4, max_cached: int = 8):
+    def __init__(self, net, block_size: int, max_checkpoints: int = 2, max_cached: int = 6):
         """Args:
             net: the model's Net (layers whose spec has ``recurrent`` set keep states).
             block_size: the KV block size: snapshots are taken at its multiples.

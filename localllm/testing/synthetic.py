@@ -184,18 +184,6 @@ MOE_SPECS["gptoss"] = Spec(
           "rope.scaling.original_context_length": (4096, GGUFValueType.UINT32)})
 
 
-# Qwen3.5-MoE's layout in four layers (full attention in the last): top-2 of 8 experts,
-# renormalised, and a shared expert with its sigmoid gate
-MOE_SPECS["qwen35moe"] = Spec(
-    "qwen35moe", {"attn": "Q8_0", "attn_output": "Q5_0", "ssm": "Q8_0", "ssm_out": "Q6_K",
-                  "exps": "Q4_K", "exps_down": "Q8_0", "ffn": "Q8_0", "ffn_down": "Q8_0",
-                  "embd": "Q8_0", "output": "F16"},
-    pre="qwen35", n_layers=4, head_dim=64, n_rot=16, rope_theta=10000000.0,
-    context_length=262144, qk_norm=True, ssm=(2, 4, 64, 4), rope_sections=(3, 3, 2, 0),
-    n_experts=8, n_used=2, hidden_dim=256, expert_hidden=256, shared_hidden=256,
-    block_gain=0.25)
-
-
 # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context): the
 # converter writes the type, factor and original context; llama.cpp fixes the rest.
 def _yarn_meta(factor: float, original: int) -> dict:
@@ -240,7 +228,9 @@ SPECS.update({
 })
 QWEN35_TYPES = {"attn": "Q8_0", "attn_output": "Q5_0", "ssm": "Q8_0", "ssm_out": "Q6_K",
                 "ffn": "Q4_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "F16"}
-SPECS.update({
+# Hybrid models of linear-attention and full-attention layers (kept apart:
+# scripts/make_synthetic.py --hybrid scores them; tests/models/test_qwen35.py checks them).
+HYBRID_SPECS = {
     # Qwen3.5's layout in eight layers: DeltaNet layers (2 key heads and 4 value heads of
     # 64, a conv of 4 taps) with full attention every 4th layer (4 query heads of 64 and
     # their gates, 2 KV heads, a quarter of the dims rotated in Qwen3.5's rope sections)
@@ -253,8 +243,18 @@ SPECS.update({
     "qwen35_mtp": Spec("qwen35", QWEN35_TYPES, pre="qwen35", n_layers=7, head_dim=64,
                        n_rot=16, rope_theta=10000000.0, context_length=262144, qk_norm=True,
                        ssm=(4, 4, 64, 4), full_every=3, rope_sections=(2, 2, 2, 2), nextn=1),
-})
-ALL_SPECS = {**SPECS, **MOE_SPECS}
+}
+# Qwen3.5-MoE's layout in four layers (full attention in the last): top-2 of 8 experts,
+# renormalised, and a shared expert with its sigmoid gate
+HYBRID_SPECS["qwen35moe"] = Spec(
+    "qwen35moe", {"attn": "Q8_0", "attn_output": "Q5_0", "ssm": "Q8_0", "ssm_out": "Q6_K",
+                  "exps": "Q4_K", "exps_down": "Q8_0", "ffn": "Q8_0", "ffn_down": "Q8_0",
+                  "embd": "Q8_0", "output": "F16"},
+    pre="qwen35", n_layers=4, head_dim=64, n_rot=16, rope_theta=10000000.0,
+    context_length=262144, qk_norm=True, ssm=(2, 4, 64, 4), rope_sections=(3, 3, 2, 0),
+    n_experts=8, n_used=2, hidden_dim=256, expert_hidden=256, shared_hidden=256,
+    block_gain=0.25)
+ALL_SPECS = {**SPECS, **MOE_SPECS, **HYBRID_SPECS}
 
 LOGIT_STD = 5.0        # std of the random part of the logits
 EXPECTED_MAX = 4.23    # the mean of the largest of 49152 standard normal draws
@@ -266,9 +266,9 @@ CASES = {"llama3": ("llama3", 1024), "qwen2": ("qwen2", 1024), "qwen3": ("qwen3"
          "phi3_partial": ("phi3_partial", 1024), "llama_mxfp4": ("llama_mxfp4", 1024),
          "llama_yarn": ("llama_yarn", 1024), "qwen2_yarn": ("qwen2_yarn", 1024),
          "smollm3": ("smollm3", 1024), "mistral3": ("mistral3", 1024),
-         "gemma4": ("gemma4", 1024), "gemma4_nople": ("gemma4_nople", 1024),
-         "qwen35": ("qwen35", 1024), "qwen35_mtp": ("qwen35_mtp", 1024)}
+         "gemma4": ("gemma4", 1024), "gemma4_nople": ("gemma4_nople", 1024)}
 MOE_CASES = {name: (name, 1024) for name in MOE_SPECS}
+HYBRID_CASES = {name: (name, 1024) for name in HYBRID_SPECS}
 
 
 def llama3_freq_factors(n_rot: int, theta: float, factor: float, low_freq_factor: float,

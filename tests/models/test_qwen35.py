@@ -2,9 +2,12 @@
 KV pages), logits are bit identical however the tokens are batched or chunked, prefixes
 are reused through the states' checkpoints (a second turn and a regenerated answer run only
 their new tokens, with the replies of a run from scratch), forks and rollbacks land on
-exact states, and the GPU backends refuse the model in one line. Agreement with llama.cpp
-(logits, greedy tokens, token ids, `llm inspect` and `llm run`) is in
+exact states, and the GPU backends refuse the model in one line. Against llama.cpp (fixtures
+of scripts/make_synthetic.py --hybrid): logits, greedy tokens and token ids, to the bars of
 tests/models/test_synthetic.py."""
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +15,12 @@ import pytest
 import localllm
 from localllm.runtime.sequence import StepItem
 from localllm.testing import synthetic
+from localllm.testing.compare import coarse_kl, log_softmax
 
-SPEC = synthetic.SPECS["qwen35"]
+SPEC = synthetic.HYBRID_SPECS["qwen35"]
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "synthetic"
+TOP1_MIN, TOP1_MARGIN, KL_MAX, NEAR_TIE = 0.99, 0.015, 0.01, 0.1  # test_synthetic.py's bars
+GREEDY_MIN = 0.95
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
         "type changed how books were made and who could read them; within fifty years")
 
@@ -157,3 +164,71 @@ def test_speculative_drafts_roll_back_to_exact_states(path, model, tmp_path, met
         spec.close()
     assert st.draft_tokens - st.accepted_tokens >= 3  # drafts were rejected
     assert drafted == plain
+
+
+# ---------------------------------------------------------------------- against llama.cpp
+
+def load_case(case: str) -> dict:
+    f = FIXTURES / f"{case}.npz"
+    if not f.exists():
+        pytest.skip(f"no llama.cpp fixture {f.name}: run scripts/make_synthetic.py --hybrid")
+    with np.load(f) as z:
+        fx = {k: z[k] for k in z.files}
+    return {**fx, **json.loads(str(fx.pop("info")))}
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory, metas):
+    d = tmp_path_factory.mktemp("hybrid")
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            p = synthetic.write(name, d / f"{name}.gguf", metas["smollm"])
+            loaded[name] = (p, localllm.load(p, ctx_size=1024, threads=2, weight_cache=False))
+        return loaded[name]
+    yield get
+    for _, m in loaded.values():
+        m.close()
+
+
+@pytest.mark.parametrize("case", sorted(synthetic.HYBRID_CASES))
+def test_logits_agree_with_llama_cpp(hybrid_models, case):
+    fx = load_case(case)
+    p, m = hybrid_models(fx["model"])
+    assert synthetic.digest(p) == fx["digest"], "rerun scripts/make_synthetic.py --hybrid"
+    lp = log_softmax(m.logits(fx["ids"].tolist()))
+    kl = coarse_kl(fx, lp)
+    top1 = float((lp.argmax(1) == fx["argmax"]).mean())
+    print(f"{case}: {len(lp)} positions, top-1 {top1:.4f}, mean KL {kl.mean():.2e} "
+          f"(llama.cpp token by token against its batch: top-1 {fx['self']['top1']:.4f}, "
+          f"KL {fx['self']['kl_mean']:.2e})")
+    assert top1 >= min(TOP1_MIN, fx["self"]["top1"] - TOP1_MARGIN)
+    assert kl.mean() <= KL_MAX
+    gap = fx["top_logprobs"][:, 0] - fx["top_logprobs"][:, 1]
+    assert np.all(gap[lp.argmax(1) != fx["argmax"]] < NEAR_TIE)
+
+
+@pytest.mark.parametrize("case", sorted(synthetic.HYBRID_CASES))
+def test_greedy_and_token_ids_agree_with_llama_cpp(hybrid_models, case):
+    """llama.cpp's greedy continuations (token by token, through the recurrent states):
+    our argmax along them in one batch and our free-running greedy text; the tokenizer
+    texts' ids under the qwen35 pre-tokenizer."""
+    fx = load_case(case)
+    _, m = hybrid_models(fx["model"])
+    assert m.tokenize(fx["passage"]) == fx["ids"].tolist()
+    bad = [t[:40] for t, ids in zip(fx["texts"], fx["text_ids"])
+           if m.tokenize(t, add_special=False) != ids]
+    assert not bad, f"{len(bad)} of {len(fx['texts'])} texts differ: {bad[:5]}"
+    hits = total = identical = 0
+    for g in fx["greedy"]:
+        seq = g["prompt_ids"] + g["continuation"]
+        pred = m.logits(seq)[len(g["prompt_ids"]) - 1:len(seq) - 1].argmax(1)
+        hits += int((pred == np.array(g["continuation"])).sum())
+        total += len(g["continuation"])
+        free, _ = _reply(m, g["prompt_ids"], len(g["continuation"]))
+        identical += free == g["continuation"]
+    print(f"{case}: teacher-forced greedy agreement {hits / total:.4f} over {total} "
+          f"positions, free-running identical {identical}/{len(fx['greedy'])}")
+    assert hits / total >= GREEDY_MIN
+    assert identical >= len(fx["greedy"]) // 2
