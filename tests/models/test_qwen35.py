@@ -7,6 +7,7 @@ of scripts/make_synthetic.py --hybrid): logits, greedy tokens and token ids, to 
 tests/models/test_synthetic.py."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,18 @@ def test_greedy_and_token_ids_agree_with_llama_cpp(hybrid_models, case):
           f"positions, free-running identical {identical}/{len(fx['greedy'])}")
     assert hits / total >= GREEDY_MIN
     assert identical >= len(fx["greedy"]) // 2
+
+
+def test_llm_inspect_and_run_show_the_recurrent_memory(path):
+    """`llm inspect` counts KV for the full-attention layers only and shows the state per
+    sequence; `llm run -v` the states' and checkpoints' memory."""
+    from support.cli import llm
+    r = llm("inspect", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "KV cache:       1.0 MB per 1k tokens" in r.stdout
+    assert "recurrent:      0.4 MB per sequence (6 linear-attention layers)" in r.stdout
+    r = llm("run", str(path), "-p", "The history of the printing press", "-n", "8", "--temp",
+            "0", "--ignore-eos", "-v")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"recurrent state: [\d.]+ MB held by sequences, [\d.]+ MB in "
+                     r"checkpoints", r.stderr), r.stderr
