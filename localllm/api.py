@@ -323,6 +323,7 @@ class Model(EmbeddingMixin):
     def forget_cached(self) -> None:
         """Drop the cached prefixes of finished requests (the next prompts run in full)."""
         self.kv.cache.forget_cached()
+        self.kv.recurrent.forget_cached()
 
     def step(self, items: list[StepItem]) -> list:
         """One forward pass over several sequences' new tokens (continuous batching, a
@@ -508,12 +509,16 @@ class Model(EmbeddingMixin):
 
         def rollback(n: int) -> None:
             want = len(seq) - n
-            if seq.trim(want) != want:  # cannot happen for a draft within one KV block
+            tokens = seq.tokens[:want]
+            kept = seq.trim(want)
+            if kept != want and seq.rec is not None:
+                seq.feed(tokens[kept:])  # recurrent states resume from their last snapshot
+            elif kept != want:  # cannot happen for a draft within one KV block
                 raise SequenceError(f"could not roll a sequence back to {want} tokens")
 
         # Constrained text is checked byte for byte: decoded without space cleaning.
         stream = self.tokenizer.stream(continuation=True, clean_spaces=constraint is None)
-        hooks = DecoderHooks(after_prompt=lambda: self.kv.cache.checkpoint(seq.kv),
+        hooks = DecoderHooks(after_prompt=lambda: self._runner.checkpoint(seq),
                              shift=make_room if shift is not None else None,
                              speculate=self._speculator(params, seq) if speculate else None,
                              rollback=rollback)

@@ -7,6 +7,7 @@ same files and compare against those fixtures).
   python scripts/make_synthetic.py --dir DIR                        # the GGUF files only
   python scripts/make_synthetic.py --dir DIR --reference PYTHON     # and the fixtures
   python scripts/make_synthetic.py --dir DIR --reference PYTHON --moe   # the MoE ones only
+  python scripts/make_synthetic.py --dir DIR --reference PYTHON --hybrid  # Qwen3.5's
   python scripts/make_synthetic.py --dir DIR --reference PYTHON --cases smollm3  # some
 
 PYTHON is an interpreter with llama-cpp-python; it runs this script's ``--score`` step,
@@ -28,9 +29,10 @@ FIXTURES = ROOT / "tests" / "fixtures" / "synthetic"
 GREEDY_PROMPTS = 6  # llama.cpp's greedy continuations of the first prompts, 32 tokens each
 
 
-def write_models(out: Path, moe: bool = False, only: list | None = None) -> dict:
-    """Write the synthetic models into ``out`` (``moe``: the mixture-of-experts ones; of
-    those, the cases ``only``, or all);
+def write_models(out: Path, moe: bool = False, only: list | None = None,
+                 hybrid: bool = False) -> dict:
+    """Write the synthetic models into ``out`` (``moe``: the mixture-of-experts ones,
+    ``hybrid``: the linear-attention ones; of those, the cases ``only``, or all);
     returns the cases to score (also written as out/cases.json for the --score step)."""
     from localllm.testing import synthetic
     from make_fixtures import model_path
@@ -39,7 +41,8 @@ def write_models(out: Path, moe: bool = False, only: list | None = None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     src = GGUFFile(model_path("smollm"))
     digests = {}
-    table = synthetic.MOE_CASES if moe else synthetic.CASES
+    table = synthetic.HYBRID_CASES if hybrid else synthetic.MOE_CASES if moe else \
+        synthetic.CASES
     wanted = table if not only else {c: table[c] for c in only}
     for name in sorted({m for m, _ in wanted.values()}):
         path = synthetic.write(name, out / f"{name}.gguf", src.metadata)
@@ -108,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", metavar="PYTHON",
                     help="an interpreter with llama-cpp-python: also write the fixtures")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts models")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="the linear-attention (Qwen3.5) models")
     ap.add_argument("--cases", nargs="+", metavar="CASE",
                     help="only these cases (default: all of synthetic.CASES, or MOE_CASES)")
     ap.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     if args.score:
         score(args.dir)
         return 0
-    write_models(args.dir, args.moe, args.cases)
+    write_models(args.dir, args.moe, args.cases, args.hybrid)
     if args.reference:
         return subprocess.call([args.reference, __file__, "--dir", str(args.dir), "--score"])
     return 0

@@ -158,8 +158,18 @@ def cmd_run(args) -> int:
               f"blocks of {kv.block_size}: {kv.blocks_used} used, {kv.blocks_cached} cached, "
               f"{kv.blocks_free} free of {kv.blocks_total} "
               f"({kv.blocks_total * kv.block_size * kv.bytes_per_token / mb:.0f} MB limit)\n"
+              f"{_recurrent_line(kv)}"
               f"peak memory: {peak_rss_mb():.0f} MB", file=sys.stderr)
     return 0
+
+
+def _recurrent_line(kv) -> str:
+    """The -v line on recurrent layers' states (models with linear attention)."""
+    if not (kv.recurrent_bytes or kv.checkpoint_bytes):
+        return ""
+    mb = 1 << 20
+    return (f"recurrent state: {kv.recurrent_bytes / mb:.1f} MB held by sequences, "
+            f"{kv.checkpoint_bytes / mb:.1f} MB in checkpoints\n")
 
 
 def _speculation_line(s, model) -> str:

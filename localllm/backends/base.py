@@ -63,6 +63,30 @@ class MoEWeights:
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """The shape of one Gated DeltaNet (linear attention) layer: key heads (q and k), value
+    heads, the head size of both, the causal conv's kernel width, the L2 norm's epsilon."""
+    n_k_heads: int
+    n_v_heads: int
+    head_dim: int
+    conv_kernel: int
+    eps: float
+
+    @property
+    def conv_channels(self) -> int:
+        return (2 * self.n_k_heads + self.n_v_heads) * self.head_dim
+
+
+@dataclass(frozen=True)
+class DeltaNetWeights:
+    """A DeltaNet layer's small tensors as float32 numpy on the host: the conv kernel
+    (conv_channels, conv_kernel), the decay's bias and factor (n_v_heads,): A = -exp(A_log)."""
+    conv: Any
+    dt_bias: Any
+    a: Any
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """How one layer's KV pages are shaped: heads, head size, tokens per block, KV types."""
     n_kv_heads: int
@@ -87,6 +111,9 @@ class KVBatch:
     row_seq: Any
     block_size: int
     layer_group: Sequence[int] = ()  # by layer index (the model's view; empty for one layer)
+    # recurrent layers' states: the model's view, by layer index, a list with each batch
+    # row's state (None for layers without); one layer's view: that list
+    states: Sequence = ()
 
     def layer(self, index: int) -> "KVBatch":
         """What layer ``index`` reads and writes.
@@ -97,7 +124,7 @@ class KVBatch:
             A KVBatch with that layer's pages and its group's block table.
         """
         return KVBatch(self.pages[index], self.tables[self.layer_group[index]], self.row_seq,
-                       self.block_size)
+                       self.block_size, (), self.states[index] if self.states else ())
 
 
 @dataclass(frozen=True)
@@ -116,6 +143,7 @@ class Backend(Protocol):
     device: str          # where it computes, e.g. "cpu", "cuda:0"
     fused_blocks: bool   # decoder_block runs a whole block natively (else it is composed)
     copies_weights: bool  # uploads copy the file's bytes (its pages may then be dropped)
+    recurrent: bool      # runs recurrent (linear attention) layers: delta_net and its states
 
     def begin_model(self, gguf_path: Any) -> None:
         """Called before a model's tensors are uploaded (e.g. to reuse stored conversions)."""
@@ -192,8 +220,8 @@ class Backend(Protocol):
         denominator with no value (gpt-oss's attention sinks)."""
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
-        """act(gate) * up with act in {'silu', 'gelu_tanh'}, or gpt-oss's 'swiglu_oai':
-        x sigmoid(1.702 x) (y + 1) with x = min(gate, 7), y = clamp(up, -7, 7)."""
+        """act(gate) * up with act in {'silu', 'gelu_tanh', 'sigmoid'}, or gpt-oss's
+        'swiglu_oai': x sigmoid(1.702 x) (y + 1) with x = min(gate, 7), y = clamp(up, -7, 7)."""
 
     def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
         """(x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias, unless None), per row."""
@@ -232,6 +260,24 @@ class Backend(Protocol):
 
     def logsumexp(self, logits: Any) -> float:
         """log(sum(exp(logits))) of one float32 numpy row."""
+
+    def delta_net(self, qkv: Any, alpha: Any, beta: Any, w: DeltaNetWeights,
+                  spec: DeltaNetSpec, kv: KVBatch) -> Any:
+        """A Gated DeltaNet mixer up to its output norm, each sequence's tokens in order:
+        causal conv + SiLU of qkv (n, conv_channels) over the sequence's kept window, L2
+        norms of the q and k heads, decays softplus(alpha + dt_bias) * a, strengths
+        sigmoid(beta) (alpha, beta: (n, n_v_heads)), the gated delta rule over its state;
+        ``kv.states`` holds each batch row's state (``new_recurrent_state``), updated.
+        Returns (n, n_v_heads * head_dim)."""
+
+    def new_recurrent_state(self, spec: DeltaNetSpec) -> Any:
+        """One sequence's zeroed state of a recurrent layer (conv window and delta state)."""
+
+    def copy_recurrent_state(self, state: Any) -> Any:
+        """An independent copy of a recurrent state (forks, checkpoints)."""
+
+    def recurrent_state_nbytes(self, spec: DeltaNetSpec) -> int:
+        """Bytes one sequence's state of such a layer takes."""
 
     # ---- KV pages
 

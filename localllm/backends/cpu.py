@@ -17,6 +17,7 @@ from localllm.errors import BadSetting
 from localllm.formats.dequant import dequantize
 from localllm.formats.quants import row_nbytes
 from localllm.kernels import attention as attn_k
+from localllm.kernels import deltanet
 from localllm.kernels import encoder as enc_k
 from localllm.kernels.direct import DirectCall, fingerprint
 from localllm.kernels import kvpages
@@ -69,6 +70,18 @@ class Embedding:
 
 
 @dataclass
+class RecurrentState:
+    """One sequence's state of a DeltaNet layer: the conv's last inputs (K - 1, channels)
+    and the delta rule's (n_v_heads, head_dim, head_dim) matrices."""
+    window: np.ndarray
+    state: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.window.nbytes + self.state.nbytes
+
+
+@dataclass
 class KVPages:
     """One layer's KV pages: flat byte arrays in the kernels' page layout (kernels/kvpages.py),
     mapped lazily, so memory is taken only as blocks are first written."""
@@ -100,6 +113,7 @@ class CpuBackend:
     name = "cpu"
     device = "cpu"
     copies_weights = True  # matrices are repacked, so the file's pages can be dropped
+    recurrent = True
 
     def __init__(self, fused: bool = True, weight_cache: str | os.PathLike | None = None):
         """The kernels' thread count and the allocator are the process's, set by
@@ -230,6 +244,39 @@ class CpuBackend:
         cos, sin = self._rope.lookup(positions, spec)
         ops.rope(x.reshape(x.shape[0], n_heads, -1), cos, sin, spec.neox)
         return x
+
+    # ---- recurrent layers ------------------------------------------------------------
+
+    def delta_net(self, qkv, alpha, beta, w, spec, kv: KVBatch):
+        qkv, alpha, beta = (np.ascontiguousarray(a, dtype=np.float32) for a in (qkv, alpha, beta))
+        out = np.empty((qkv.shape[0], spec.n_v_heads * spec.head_dim), np.float32)
+        rows = np.asarray(kv.row_seq)
+        start = 0
+        while start < len(rows):  # each sequence's tokens are consecutive rows
+            r = rows[start]
+            end = start + 1
+            while end < len(rows) and rows[end] == r:
+                end += 1
+            st = kv.states[r]
+            deltanet.delta_net(qkv[start:end], alpha[start:end], beta[start:end], w.conv,
+                               w.dt_bias, w.a, st.window, st.state, spec.n_k_heads,
+                               spec.head_dim, float(spec.eps), out[start:end])
+            start = end
+        return out
+
+    def new_recurrent_state(self, spec):
+        st = RecurrentState(np.zeros((spec.conv_kernel - 1, spec.conv_channels), np.float32),
+                            np.zeros((spec.n_v_heads, spec.head_dim, spec.head_dim),
+                                     np.float32))
+        return st
+
+    def copy_recurrent_state(self, state):
+        return RecurrentState(state.window.copy(), state.state.copy())
+
+    @staticmethod
+    def recurrent_state_nbytes(spec) -> int:
+        return 4 * ((spec.conv_kernel - 1) * spec.conv_channels
+                    + spec.n_v_heads * spec.head_dim ** 2)
 
     # ---- KV pages --------------------------------------------------------------------
 

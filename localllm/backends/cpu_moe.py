@@ -116,6 +116,9 @@ ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 
 def glu(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
     """The backend's ``glu``: act(gate) * up, or gpt-oss's clamped SwiGLU."""
+    if act == "sigmoid":  # an output gate (Qwen3.5's attention), elementwise
+        one = np.float32(1.0)
+        return np.ascontiguousarray(up / (one + np.exp(-gate)), dtype=np.float32)
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown activation {act}")
     out = np.empty_like(gate)

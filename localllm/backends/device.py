@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from localllm.errors import UnsupportedModel
 from localllm.formats.quants import row_nbytes
 from localllm.kernels.ops import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from localllm.kernels.kvpages import check_head_dim
@@ -165,6 +166,7 @@ class DeviceBackend:
 
     fused_blocks = False
     copies_weights = True
+    recurrent = False  # no DeltaNet layers yet (models place them on the CPU or refuse)
 
     def __init__(self):
         self._rope = RopeTables()
@@ -285,6 +287,22 @@ class DeviceBackend:
             out = self._rotate(out)
         return out.reshape(n, n_heads * hd)
 
+    def _no_recurrent(self):
+        raise UnsupportedModel(f"the {self.name} backend does not run recurrent (linear "
+                               "attention) layers yet; run this model on the CPU")
+
+    def delta_net(self, qkv, alpha, beta, w, spec, kv):
+        self._no_recurrent()
+
+    def new_recurrent_state(self, spec):
+        self._no_recurrent()
+
+    def copy_recurrent_state(self, state):
+        self._no_recurrent()
+
+    def recurrent_state_nbytes(self, spec) -> int:
+        self._no_recurrent()
+
     def decoder_block(self, x: Any, w: Any, spec: Any, positions: Sequence[int],
                       kv: KVBatch) -> Any:
         raise NotImplementedError(f"the {self.name} backend runs blocks op by op "
@@ -295,6 +313,8 @@ class DeviceBackend:
             return gate / (1.0 + self._exp(-gate)) * up
         if act == "gelu_tanh":
             return gate / (1.0 + self._gelu_exp(gate)) * up
+        if act == "sigmoid":
+            return up / (1.0 + self._exp(-gate))
         if act == "swiglu_oai":  # as ggml's swiglu_oai (kernels/ops.py swiglu_oai_row)
             x = self._clip(gate, None, SWIGLU_OAI_LIMIT)
             y = self._clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)

@@ -53,8 +53,11 @@ def describe(f) -> dict:
     pattern = meta.get(p + "attention.sliding_window_pattern")
     swa_k = int(meta.get(p + "attention.key_length_swa", k_len) or 0)
     swa_v = int(meta.get(p + "attention.value_length_swa", swa_k) or 0)
+    recurrent, state_bytes = _recurrent_layers(meta, p, n_layers)
     per_token = 0
     for i in range(max(0, n_layers - shared)):
+        if i < len(recurrent) and recurrent[i] or recurrent and i >= len(recurrent):
+            continue  # a linear-attention layer (a state per sequence), or an MTP block
         sliding = hasattr(pattern, "__len__") and i < len(pattern) and bool(pattern[i])
         per_token += n_kv * ((swa_k + swa_v) if sliding else (k_len + v_len))
     kv_1k = per_token * 1000 * KV_BYTES_PER_VALUE
@@ -74,9 +77,32 @@ def describe(f) -> dict:
         "tokenizer": meta.get("tokenizer.ggml.model"),
         "chat_template": "tokenizer.chat_template" in meta,
         "kv_bytes_per_1k": kv_1k,
+        "recurrent_layers": sum(recurrent),
+        "state_bytes": state_bytes,
         "metadata": meta,
         "version": f.version,
     }
+
+
+def _recurrent_layers(meta: dict, p: str, n_layers: int) -> tuple[list[bool], int]:
+    """Per trunk layer, whether it is a linear-attention (Gated DeltaNet) layer, as
+    llama.cpp reads Qwen3.5's keys (multi-token-prediction blocks excluded), and the bytes
+    of one sequence's recurrent state (float32 conv windows and delta states); ([], 0) for
+    files without ``{arch}.ssm.*`` keys."""
+    if p + "ssm.inner_size" not in meta or p + "ssm.state_size" not in meta:
+        return [], 0
+    n = n_layers - int(meta.get(p + "nextn_predict_layers", 0) or 0)
+    flags = meta.get(p + "attention.recurrent_layers")
+    if flags is not None:
+        recurrent = [bool(x) for x in list(flags)[:n]]
+    else:
+        every = int(meta.get(p + "full_attention_interval", 4) or 4)
+        recurrent = [(i + 1) % every != 0 for i in range(n)]
+    S, inner = int(meta[p + "ssm.state_size"]), int(meta[p + "ssm.inner_size"])
+    groups = int(meta.get(p + "ssm.group_count", 0) or 0)
+    conv = int(meta.get(p + "ssm.conv_kernel", 4) or 4)
+    per_layer = 4 * ((conv - 1) * (2 * groups * S + inner) + inner * S)
+    return recurrent, sum(recurrent) * per_layer
 
 
 def _plain(value):
@@ -108,6 +134,11 @@ def format_description(path: Path, d: dict, show_all: bool = False) -> str:
         f"chat template:  {'yes' if d['chat_template'] else 'no'}",
         f"weights:        {d['weight_bytes'] / 1e6:.1f} MB",
         f"KV cache:       {d['kv_bytes_per_1k'] / 1e6:.1f} MB per 1k tokens (float16)",
+    ]
+    if d.get("recurrent_layers"):
+        lines.append(f"recurrent:      {d['state_bytes'] / 1e6:.1f} MB per sequence "
+                     f"({d['recurrent_layers']} linear-attention layers)")
+    lines += [
         f"tensors:        {d['n_tensors']}",
     ]
     for t, (count, nbytes) in d["tensor_types"].items():

@@ -11,7 +11,8 @@ ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3", "gemma4": "gemma4", "qwen
                  "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3", "mistral3": "mistral3",
                  "bert": "bert", "nomic-bert": "bert",
                  "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe",
-                 "gpt-oss": "gptoss"}
+                 "gpt-oss": "gptoss", "qwen35": "qwen35",
+                 "qwen35moe": "qwen35"}
 ALIASES = {"mistral": "llama"}
 
 

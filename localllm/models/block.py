@@ -31,6 +31,8 @@ class BlockSpec:
     q_rope: RopeSpec | None = None  # the queries' own RoPE (attention temperature), else rope
     kv_source: int = -1          # the earlier layer whose KV this one reads (shared KV: it
                                  # has no pages of its own and is in that layer's group)
+    recurrent: Any = None        # a DeltaNetSpec: a linear-attention layer, which keeps a
+                                 # recurrent state per sequence instead of KV pages
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,34 @@ class WeightLoader:
             start += n
         return out
 
+    def matrix_rows(self, name: str, K: int, rows) -> Any:
+        """Some output rows of a weight (rows given by index, in order) as a matrix of its
+        own: each output row is its own dot product, so it computes what those rows of the
+        whole would (Qwen3.5's query projection interleaves queries and gates by head).
+
+        Args:
+            name: the tensor; K: its input width; rows: the row indices kept.
+        """
+        info = self.file.tensors.get(name)
+        if info is None:
+            raise ModelError(f"tensor {name!r} is missing from the file")
+        self._info(name, (info.shape[0], K))
+        table = self.file.blocks(name)
+        part = np.ascontiguousarray(table[np.asarray(rows, np.int64)])
+        return self.backend_for(name).upload_matrix(f"{name}#rows", info.type_name,
+                                                    part.reshape(-1), len(rows), K)
+
+    def host_matrix(self, name: str, N: int, K: int):
+        """A float 2-D tensor (N, K) as a float32 numpy array (e.g. a conv kernel)."""
+        info = self._info(name, (N, K))
+        if info.type_name not in ("F32", "F16", "BF16"):
+            raise ModelError(f"tensor {name!r} has type {info.type_name}; expected a float type")
+        from localllm.formats.dequant import dequantize
+        values = dequantize(self.file.raw(name), info.type_name, (N, K))
+        if not np.isfinite(values).all():
+            raise ModelError(f"tensor {name!r} holds non-finite values")
+        return np.ascontiguousarray(values, dtype=np.float32)
+
     def experts(self, name: str, n_experts: int, N: int, K: int):
         """A GGUF 3-D stack of expert matrices (n_experts of N out, K in), uploaded with
         ``upload_experts`` to its layer's backend."""

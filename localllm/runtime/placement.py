@@ -267,7 +267,7 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
             # the embedding's rows are read from the mapped file on lookup
             devs[0].file_bytes += int(t.nbytes) if name == "token_embd.weight" else 0
             continue
-        if len(t.shape) == 2:
+        if len(t.shape) == 2 and int(t.shape[1]) % 32 == 0:
             N, K = (int(s) for s in t.shape)
             d.weight_bytes += d.backend.plan_matrix_nbytes(t.type_name, N, K)
             d.largest = max(d.largest, N * K)
@@ -282,7 +282,7 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
             d.file_bytes += mapped
             d.expert_bytes += anon + mapped
             d.largest = max(d.largest, N * K)
-        else:
+        else:  # vectors, and small tables such as a DeltaNet's conv kernel (float32)
             d.weight_bytes += 4 * int(t.n_elements)
     B = req.batch_size
     widths = 3 * args.dim + 2 * args.n_heads * args.head_dim \

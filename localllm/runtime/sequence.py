@@ -16,6 +16,7 @@ from localllm.errors import (ContextFull, EmptyPrompt, EngineError, KVPoolFull, 
                              TokenOutOfVocab)
 from localllm.runtime.kv.blocks import BlockPool, PoolStats
 from localllm.runtime.kv.cache import CacheGroup, PagedCache, SeqKV
+from localllm.runtime.recurrent import RecurrentSpace, SeqStates
 from localllm.models.net import Net
 
 # EngineError is re-exported here, where it was defined before localllm.errors.
@@ -50,6 +51,8 @@ class KVStats:
     v_type: str
     used_bytes: int
     groups: list[PoolStats]
+    recurrent_bytes: int = 0     # recurrent layers' states of the live sequences
+    checkpoint_bytes: int = 0    # their snapshots (sequences' and the prefix store's)
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,12 @@ def kv_groups(layers: Seq) -> list[KVGroupSpec]:
     Returns:
         One KVGroupSpec per group; every layer with pages of its own is in exactly one
         (a layer reading another's KV, ``spec.kv_source``, is in none: it uses that
-        layer's pages and group).
+        layer's pages and group; nor is a recurrent layer, which has a state instead).
     """
     members: dict[tuple[int, int, int], list[int]] = {}
     for layer in layers:
         s = layer.spec
-        if s.kv_source >= 0:
+        if s.kv_source >= 0 or s.recurrent is not None:
             continue
         members.setdefault((s.window, s.n_kv_heads, s.head_dim), []).append(layer.index)
     return [KVGroupSpec(w, n_kv, hd, tuple(ix)) for (w, n_kv, hd), ix in members.items()]
@@ -122,6 +125,8 @@ class KVSpace:
                 self.pages[layer.index] = self.pages[src]
                 self.layer_group[layer.index] = self.layer_group[src]
         self.cache = PagedCache(groups, block_size, self._copy, max_checkpoints)
+        # a recurrent snapshot is a whole state (MBs per sequence): few are kept
+        self.recurrent = RecurrentSpace(net, block_size, max_checkpoints=2, max_cached=6)
         self.block_bytes = [sum(la.backend.kv_block_nbytes(self.pages[la.index].layout)
                                 for la in g) for g in self.group_layers]
         self.bytes_per_token = sum(self.block_bytes) // block_size
@@ -135,16 +140,21 @@ class KVSpace:
         return KVStats(self.block_size, sum(p.total for p in per), sum(p.used for p in per),
                        sum(p.cached for p in per), sum(p.free for p in per),
                        self.bytes_per_token, self.k_type, self.v_type,
-                       sum(p.used * b for p, b in zip(per, self.block_bytes)), per)
+                       sum(p.used * b for p, b in zip(per, self.block_bytes)), per,
+                       self.recurrent.live_bytes(), self.recurrent.checkpoint_bytes())
 
 
 class Sequence:
-    """One request's state: the tokens whose KV it holds and its block tables. Made by
-    ``Model.new_sequence()``; release it (or use it as a context manager) when done."""
+    """One request's state: the tokens whose KV it holds, its block tables and, for models
+    with recurrent layers, their states (``rec``). Made by ``Model.new_sequence()``; release
+    it (or use it as a context manager) when done."""
 
-    def __init__(self, runner: "Runner", kv: SeqKV | None = None, tokens: Seq[int] = ()):
+    def __init__(self, runner: "Runner", kv: SeqKV | None = None, tokens: Seq[int] = (),
+                 rec: SeqStates | None = None):
         self._runner = runner
         self.kv = kv if kv is not None else runner.space.cache.new_state()
+        space = runner.space.recurrent
+        self.rec = rec if rec is not None or not space else space.new()
         self._tokens = list(tokens)
         self.released = False
 
@@ -164,7 +174,9 @@ class Sequence:
     def fork(self) -> "Sequence":
         """A copy that shares every block with this one until either writes (copy-on-write)."""
         self._check()
-        return Sequence(self._runner, self._runner.space.cache.fork(self.kv), self._tokens)
+        space = self._runner.space
+        rec = space.recurrent.fork(self.rec) if self.rec is not None else None
+        return Sequence(self._runner, space.cache.fork(self.kv), self._tokens, rec)
 
     def trim(self, n: int) -> int:
         """Keep only the first n tokens (e.g. to drop rejected draft tokens). Returns the
@@ -181,7 +193,9 @@ class Sequence:
         self._check()
         other._check()
         self._runner.space.cache.release(self.kv, self._tokens)
-        self.kv, self._tokens = other.kv, other._tokens
+        if self.rec is not None:
+            self._runner.space.recurrent.release(self.rec, self._tokens)
+        self.kv, self._tokens, self.rec = other.kv, other._tokens, other.rec
         other.released = True
         other._tokens = []
 
@@ -190,6 +204,8 @@ class Sequence:
         if not self.released:
             self.released = True
             self._runner.space.cache.release(self.kv, self._tokens)
+            if self.rec is not None:
+                self._runner.space.recurrent.release(self.rec, self._tokens)
             self._tokens = []
 
     # ---- the Runner's side: it keeps the tokens and the KV state in step -------------
@@ -212,15 +228,18 @@ class Sequence:
         """
         del self._tokens[n:]
 
-    def reset_state(self, kv: SeqKV, tokens: Seq[int]) -> None:
+    def reset_state(self, kv: SeqKV, tokens: Seq[int], rec: SeqStates | None = None) -> None:
         """Take a new cache state holding ``tokens`` (e.g. a prefix found in the cache); the
         caller has released the old one.
 
         Args:
-            kv: the new state; tokens: the tokens whose KV it holds.
+            kv: the new state; tokens: the tokens whose KV it holds; rec: the recurrent
+                states after them (models with recurrent layers; None: keep the current).
         """
         self.kv = kv
         self._tokens = list(tokens)
+        if rec is not None:
+            self.rec = rec
 
     def _check(self) -> None:
         if self.released:
@@ -237,6 +256,8 @@ class Sequence:
         # next step (never here, where a collection may interrupt the pool's bookkeeping).
         if not self.released:
             self._runner.orphans.append((self.kv, self._tokens))
+            if self.rec is not None:
+                self._runner.space.recurrent.live -= 1
 
 
 LOGITS = ("none", "last", "all")
@@ -279,14 +300,28 @@ class Runner:
             raise ContextFull(f"{len(seq) + len(ids)} tokens exceed the context size {self.ctx}",
                               param="ids")
         outs = []
-        bs = self.batch_size
-        for s in range(0, len(ids), bs):
+        for s, e in self._chunks(len(seq), len(ids)):
             # logits: every row's, the very last row's, or none for an inner prompt chunk
-            want = "all" if all_logits else ("last" if s + bs >= len(ids) else "none")
-            out = self.step([StepItem(seq, ids[s:s + bs], want)])[0]
+            want = "all" if all_logits else ("last" if e >= len(ids) else "none")
+            out = self.step([StepItem(seq, ids[s:e], want)])[0]
             if out is not None:
                 outs.append(out)
+            if e == len(ids) - 1 and seq.rec is not None:  # a regenerated answer starts here
+                self.space.recurrent.checkpoint(seq.rec, turn=True)
         return np.concatenate(outs) if all_logits and len(outs) > 1 else outs[-1]
+
+    def _chunks(self, start: int, n: int) -> list[tuple[int, int]]:
+        """Prompt chunks of at most batch_size over n tokens that follow ``start`` ones; with
+        recurrent layers also cut at the last block boundary and before the last token, where
+        their states are snapshot (for a later turn or a regenerated answer: the results do
+        not depend on the cuts)."""
+        cuts = set(range(0, n, self.batch_size)) | {n}
+        if self.space.recurrent and n > 1:
+            bs = self.space.block_size
+            last = (start + n - 1) // bs * bs - start
+            cuts |= {c for c in (last, n - 1) if 0 < c < n}
+        cuts = sorted(cuts)
+        return list(zip(cuts[:-1], cuts[1:]))
 
     def step(self, items: list[StepItem], hidden: bool = False) -> list:
         """One forward pass over several sequences' new tokens.
@@ -338,8 +373,10 @@ class Runner:
                 t = it.seq.kv.tables[g.index]
                 tab[r, :len(t)] = t
             tables.append(tab)
+        rec = self.space.recurrent
+        states = rec.batch([it.seq.rec for it in items], len(self.space.pages)) if rec else ()
         kv = KVBatch(self.space.pages, tables, row_seq, cache.block_size,
-                     self.space.layer_group)
+                     self.space.layer_group, states)
         rows, spans, at = [], [], 0
         for it, n in zip(items, lens):
             first = len(rows)
@@ -354,6 +391,8 @@ class Runner:
         out = []
         for it, (a, b) in zip(items, spans):
             it.seq.extend_tokens(it.tokens)
+            if rec:
+                rec.advanced(it.seq.rec, len(it.tokens))
             out.append(None if it.logits == "none" else logits[a:b] if it.logits == "all"
                        else logits[a])
         return out
@@ -362,6 +401,8 @@ class Runner:
         """Go back to the latest point at or before n from which the sequence can go on (a
         sliding window that has moved on needs a checkpoint); returns that point."""
         cache = self.space.cache
+        if n < len(seq) and seq.rec is not None:
+            n = self.space.recurrent.restore(seq.rec, n)  # exact only at a snapshot
         if n < len(seq):
             if cache.resumable(seq.kv, n):
                 cache.trim(seq.kv, n)
@@ -387,11 +428,33 @@ class Runner:
             common += 1
         kept = self.rewind(seq, common)
         cache = self.space.cache
-        if limit // cache.block_size * cache.block_size > kept:  # the cache may hold more
+        # the cache may hold more (in whole blocks; or, where states are snapshot at turn
+        # ends, in a released sequence's partial block)
+        if limit // cache.block_size * cache.block_size > kept or \
+                (self.space.recurrent and limit > kept):
             n, st = cache.match_prefix(ids, limit)
+            snap = None
+            if n > kept and seq.rec is not None:  # recurrent states exist at snapshots only
+                snap = self.space.recurrent.lookup(ids, n)
+                if snap is None or snap.n <= kept:
+                    n = kept
+                else:
+                    cache.trim(st, snap.n)
+                    n = snap.n
             if n > kept:
                 cache.release(seq.kv, seq.tokens)
-                seq.reset_state(st, ids[:n])
+                rec = None
+                if snap is not None:
+                    self.space.recurrent.release(seq.rec, seq.tokens)
+                    rec = self.space.recurrent.from_snapshot(snap)
+                seq.reset_state(st, ids[:n], rec)
                 return n
             cache.release(st)
         return kept
+
+    def checkpoint(self, seq: Sequence) -> None:
+        """Keep the sequence's state at a turn end (sliding windows, recurrent states), so
+        that it, or a later sequence sharing this prefix, can resume here."""
+        self.space.cache.checkpoint(seq.kv)
+        if seq.rec is not None:
+            self.space.recurrent.checkpoint(seq.rec, turn=True)

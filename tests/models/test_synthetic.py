@@ -1,5 +1,5 @@
-"""Qwen2, Qwen3, Phi-3, SmolLM3, Mistral 3, Gemma 4 and Llama 3's rope scaling, checked on small
-synthetic models (written here by tests/synthetic.py, byte for byte the files
+"""Qwen2, Qwen3, Qwen3.5, Phi-3, SmolLM3, Mistral 3, Gemma 4 and Llama 3's rope scaling,
+checked on small synthetic models (written here by tests/synthetic.py, byte for byte the files
 scripts/make_synthetic.py sent through llama.cpp) against llama.cpp's logits and token ids,
 and through the `llm` command."""
 

@@ -12,9 +12,10 @@ import typing
 import numpy as np
 import pytest
 
-from localllm.backends.base import (Backend, KVBatch, KVLayout, MemoryInfo, MoESpec,
-                                    MoEWeights, RopeSpec)
+from localllm.backends.base import (Backend, DeltaNetSpec, DeltaNetWeights, KVBatch,
+                                    KVLayout, MemoryInfo, MoESpec, MoEWeights, RopeSpec)
 from localllm.backends.cpu import CpuBackend
+from localllm.errors import UnsupportedModel
 from localllm.formats.gguf import GGUFFile
 from localllm.models.block import BlockSpec, BlockWeights, compose_block
 from localllm.testing.kernel_data import random_weight
@@ -253,7 +254,7 @@ def test_runs_every_protocol_method_against_the_cpu_backend(be, cpu, gemma):
         _attention_steps(p, kind, rng)
 
     gate, up = rnd(rng, n, 2048, scale=3.0), rnd(rng, n, 2048)
-    for act in ("silu", "gelu_tanh", "swiglu_oai"):
+    for act in ("silu", "gelu_tanh", "swiglu_oai", "sigmoid"):
         got, want = p.both(lambda b, w, g, u: b.glu(g, u, act), gate, up)
         check(f"{be.name} glu {act}", got, want, TOL_FLOAT_OP)
     moe, moe_r = _experts(rec), _experts(cpu)
@@ -293,4 +294,36 @@ def test_runs_every_protocol_method_against_the_cpu_backend(be, cpu, gemma):
         with pytest.raises(NotImplementedError):
             _block(rec, w, xb, True)
 
+    _recurrent(rec, cpu, rng)
     assert rec.used == MEMBERS, f"not exercised: {sorted(MEMBERS - rec.used)}"
+
+
+def _recurrent(b, cpu, rng) -> None:
+    """DeltaNet layers: two sequences in one call give each sequence's own bits, states
+    copy independently; a backend without them refuses with UnsupportedModel."""
+    spec = DeltaNetSpec(2, 4, 16, 4, EPS)
+    C, Hv = spec.conv_channels, spec.n_v_heads
+    w = DeltaNetWeights(rnd(rng, C, 4, scale=0.5), rnd(rng, Hv), -np.exp(rnd(rng, Hv)))
+    qkv, alpha, beta = rnd(rng, 9, C), rnd(rng, 9, Hv), rnd(rng, 9, Hv)
+    rows = np.array([0] * 5 + [1] * 4, np.int32)
+    if not b.recurrent:
+        for call in (lambda: b.new_recurrent_state(spec), lambda: b.copy_recurrent_state(None),
+                     lambda: b.recurrent_state_nbytes(spec),
+                     lambda: b.delta_net(qkv, alpha, beta, w, spec, KVBatch(None, None, rows, 16))):
+            with pytest.raises(UnsupportedModel):
+                call()
+        return
+    assert b.recurrent_state_nbytes(spec) == 4 * (3 * C + Hv * 16 * 16)
+    states = [b.new_recurrent_state(spec) for _ in range(2)]
+    fork = b.copy_recurrent_state(states[0])
+    both = b.to_numpy(b.delta_net(b.from_numpy(qkv), b.from_numpy(alpha), b.from_numpy(beta),
+                                  w, spec, KVBatch(None, None, rows, 16, (), states)))
+    for r, sl in ((0, slice(0, 5)), (1, slice(5, 9))):
+        own = cpu.new_recurrent_state(spec)
+        alone = cpu.delta_net(qkv[sl], alpha[sl], beta[sl], w, spec,
+                              KVBatch(None, None, np.zeros(sl.stop - sl.start, np.int32), 16,
+                                      (), [own]))
+        np.testing.assert_array_equal(both[sl], alone)
+    first = cpu.delta_net(qkv[:5], alpha[:5], beta[:5], w, spec,
+                          KVBatch(None, None, np.zeros(5, np.int32), 16, (), [fork]))
+    np.testing.assert_array_equal(first, both[:5])  # the copy did not move with the original
