@@ -208,8 +208,8 @@ def test_ledger_of_the_cpu_backend_and_a_refused_split(smollm_path, gemma_path):
         plan, *_ = plan_model(f, LoadSettings(backend="torch", gpu_layers="all"))
         assert plan.gpu_layers == 30
         free = {"host": 64 << 20}
-        with pytest.raises(EngineError, match=r"not enough memory: .* GiB for weights .* "
-                                              r"4096-token KV cache.* is available"):
+        with pytest.raises(EngineError, match=r"not enough memory: .* GiB of its own for "
+                                              r"weights .* 4096-token KV cache.* is available"):
             plan_model(f, LoadSettings(backend="torch", gpu_layers="all"), free=free)
 
 
