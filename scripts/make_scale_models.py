@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Write the scale ladder: random-weight GGUFs of real model shapes (Llama 3.2 1B and 3B,
-Llama 3.1 8B, Gemma 3 4B, OLMoE-1B-7B's mixture of experts, and four layers of Qwen3-30B-A3B's)
+Llama 3.1 8B, Gemma 3 4B, OLMoE-1B-7B's mixture of experts, four layers of Qwen3-30B-A3B's,
+and Qwen3.5 4B's hybrid of Gated DeltaNet and full attention)
 with their real tokenizers, quantized by llama.cpp's own quantizer so the per-tensor mix of
 types is the one people download.
 
@@ -44,6 +45,8 @@ class Shape:
     sliding_window: int = 0
     n_experts: int = 0   # mixture-of-experts FFNs (hidden_dim is then each expert's width)
     n_used: int = 0
+    ssm: tuple = ()      # Qwen3.5's DeltaNet layers: (key heads, value heads, head size, conv)
+    full_every: int = 0  # Qwen3.5: full attention on every this-th layer, DeltaNet between
 
 
 SHAPES = {
@@ -61,6 +64,11 @@ SHAPES = {
     # width, in a file (1.9 GB at Q4_K_M) that takes minutes, not an hour, to make
     "qwen3-30b-a3b-4l": Shape("qwen3moe", "qwen2", 2048, 4, 32, 4, 128, 768, 1000000.0, False,
                               40960, n_experts=128, n_used=8),
+    # Qwen3.5 4B's shape: 32 layers, full (gated) attention on every fourth, 16 query heads
+    # of 256 over 4 KV heads with a quarter of each rotated; Gated DeltaNet elsewhere with 16
+    # key and 32 value heads of 128; 248k-token vocabulary, tied embedding
+    "qwen3.5-4b": Shape("qwen35", "qwen35", 2560, 32, 16, 4, 256, 9216, 10000000.0, True,
+                        262144, ssm=(16, 32, 128, 4), full_every=4),
 }
 
 # llama.cpp's llama_ftype values for the quantizer.
@@ -106,6 +114,9 @@ def _tensors(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
         out.append(("rope_freqs.weight", (s.head_dim // 2,), "freqs"))
     for i in range(s.n_layers):
         b = f"blk.{i}."
+        if s.arch == "qwen35":
+            out += _qwen35_layer(s, b, i)
+            continue
         out += [(b + "attn_norm.weight", (D,), "norm"),
                 (b + "attn_q.weight", (q, D), "matrix"),
                 (b + "attn_k.weight", (kv, D), "matrix"),
@@ -140,6 +151,34 @@ def _tensors(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def _qwen35_layer(s: Shape, b: str, i: int) -> list[tuple[str, tuple[int, ...], str]]:
+    D, H = s.dim, s.hidden_dim
+    out = [(b + "attn_norm.weight", (D,), "norm"), (b + "post_attention_norm.weight", (D,), "norm")]
+    if (i + 1) % s.full_every == 0:  # gated attention: each head's query rows, then its gate's
+        q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        out += [(b + "attn_q.weight", (2 * q, D), "matrix"),
+                (b + "attn_k.weight", (kv, D), "matrix"),
+                (b + "attn_v.weight", (kv, D), "matrix"),
+                (b + "attn_output.weight", (D, q), "matrix"),
+                (b + "attn_q_norm.weight", (s.head_dim,), "norm"),
+                (b + "attn_k_norm.weight", (s.head_dim,), "norm")]
+    else:
+        Hk, Hv, S, K = s.ssm
+        C = (2 * Hk + Hv) * S
+        out += [(b + "attn_qkv.weight", (C, D), "matrix"),
+                (b + "attn_gate.weight", (Hv * S, D), "matrix"),
+                (b + "ssm_beta.weight", (Hv, D), "matrix"),
+                (b + "ssm_alpha.weight", (Hv, D), "matrix"),
+                (b + "ssm_out.weight", (D, Hv * S), "matrix"),
+                (b + "ssm_conv1d.weight", (C, K), "conv"),
+                (b + "ssm_dt.bias", (Hv,), "dt"),
+                (b + "ssm_a", (Hv,), "decay"),
+                (b + "ssm_norm.weight", (S,), "norm")]
+    return out + [(b + "ffn_gate.weight", (H, D), "matrix"),
+                  (b + "ffn_up.weight", (H, D), "matrix"),
+                  (b + "ffn_down.weight", (D, H), "matrix")]
+
+
 def _metadata(w: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     a = s.arch
     w.add_name(f"scale ladder {a} {s.dim}x{s.n_layers}")
@@ -159,6 +198,14 @@ def _metadata(w: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
         w.add_uint32(f"{a}.attention.value_length", s.head_dim)
     if a == "gemma3":
         w.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if a == "qwen35":
+        Hk, Hv, S, K = s.ssm
+        for k, v in {"ssm.conv_kernel": K, "ssm.inner_size": Hv * S, "ssm.state_size": S,
+                     "ssm.time_step_rank": Hv, "ssm.group_count": Hk,
+                     "full_attention_interval": s.full_every,
+                     "rope.dimension_count": s.head_dim // 4}.items():
+            w.add_uint32(f"{a}.{k}", v)
+        w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
     if s.n_experts:
         w.add_uint32(f"{a}.expert_count", s.n_experts)
         w.add_uint32(f"{a}.expert_used_count", s.n_used)
@@ -186,6 +233,12 @@ def write_f16(name: str, path: Path, vocab_dir: Path, seed: int = 0) -> Path:
             data = np.ones(shp, np.float32)
         elif kind == "router":  # logits of std ~1: each token its own mix of experts
             data = (rng.standard_normal(shp, dtype=np.float32) / np.sqrt(s.dim)).astype(np.float32)
+        elif kind == "conv":  # DeltaNet conv taps, decay bias and factor: a few tokens' memory
+            data = (0.5 * rng.standard_normal(shp)).astype(np.float32)
+        elif kind == "dt":
+            data = np.full(shp, -1.5, np.float32)
+        elif kind == "decay":
+            data = -np.exp(0.3 * rng.standard_normal(shp)).astype(np.float32)
         elif kind == "freqs":
             data = llama3_freq_factors(s.head_dim, s.rope_theta, 32.0, 1.0, 4.0, 8192)
         else:

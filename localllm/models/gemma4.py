@@ -138,6 +138,11 @@ class ModelArgs(llama.ModelArgs):
     def layer_head_dim(self, i: int) -> int:
         return self.swa_head_dim if self.swa_layers[i] else self.head_dim
 
+    def kv_layers(self) -> list:
+        first = self.n_layers - self.shared_kv
+        return [(self.layer_kv_heads[i], self.layer_head_dim(i)) if i < first else None
+                for i in range(self.n_layers)]
+
 
 @dataclass(frozen=True)
 class Gemma4Weights:

@@ -125,6 +125,16 @@ class ModelArgs:
             raise ModelError(f"metadata '{self.arch}.rope.dimension_count' ({self.n_rot}) must be "
                              f"even and at most the head size {self.head_dim}")
 
+    def kv_layers(self) -> list:
+        """Per layer, the (KV heads, head size) of the KV pages it holds, or None where it
+        holds none (a layer reading another's KV, a recurrent layer): what the memory plan
+        sizes the KV cache by."""
+        return [(self.n_kv_heads, self.head_dim)] * self.n_layers
+
+    def recurrent_spec(self, i: int):
+        """Layer i's DeltaNetSpec where it keeps a recurrent state instead of KV, else None."""
+        return None
+
 
 def load_qkv(w: WeightLoader, i: int, a: ModelArgs) -> dict:
     """Layer i's query, key and value projections and their biases, as BlockWeights fields:

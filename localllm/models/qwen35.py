@@ -92,6 +92,14 @@ class ModelArgs(llama.ModelArgs):
             raise ModelError(f"the file's {len(self.recurrent)} layers are all recurrent "
                              "(no full-attention layer); not supported")
 
+    def kv_layers(self) -> list:
+        """Full-attention trunk layers hold KV; DeltaNet layers a state, MTP blocks nothing."""
+        return [(self.n_kv_heads, self.head_dim) if i < len(self.recurrent)
+                and not self.recurrent[i] else None for i in range(self.n_layers)]
+
+    def recurrent_spec(self, i: int):
+        return self.delta_net if i < len(self.recurrent) and self.recurrent[i] else None
+
     @property
     def delta_net(self) -> DeltaNetSpec:
         return DeltaNetSpec(self.n_k_heads, self.n_v_heads, self.ssm_state, self.conv_kernel,

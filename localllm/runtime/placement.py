@@ -16,6 +16,7 @@ from typing import Any
 from localllm.backends.base import Backend, KVLayout
 from localllm.models.common import Placement, tensor_override
 from localllm.errors import BadSetting, NotEnoughMemory
+from localllm.runtime.recurrent import states_held
 
 BACKENDS = ("auto", "cpu", "torch", "mlx")
 GPU_MARGIN = 512 << 20    # left free on a GPU of its own: driver context, allocator slack
@@ -145,6 +146,7 @@ class DevicePlan:
     largest: int = 0            # elements of its largest matrix
     expert_bytes: int = 0       # the experts' (ffn_*_exps), anonymous or file-backed
     file_bytes: int = 0         # file-backed: pages of the mapped GGUF read in place
+    state_bytes: int = 0        # recurrent layers' states: one per sequence and snapshots
 
     @property
     def label(self) -> str:
@@ -163,12 +165,13 @@ class MemoryPlan:
     devices: list             # DevicePlan, the CPU's first
     free: dict                # pool -> free bytes when planned
     rules: tuple = ()         # tensor placement rules (tensor_rules)
+    states: int = 0           # recurrent states the plan holds room for (0: no such layers)
 
     def kv_bytes(self, d: DevicePlan) -> int:
         return self.pool_tokens * d.kv_per_token
 
     def total(self, d: DevicePlan) -> int:
-        return d.weight_bytes + self.kv_bytes(d) + d.scratch_bytes
+        return d.weight_bytes + self.kv_bytes(d) + d.scratch_bytes + d.state_bytes
 
     def placement(self) -> Placement:
         """The Placement the plan describes (the embedding on the CPU)."""
@@ -213,8 +216,14 @@ class MemoryPlan:
                          f"{self.total(d) / mib:7.1f} MiB "
                          f"{self.free.get(d.pool, 0) / mib:7.0f} MiB "
                          f"{d.file_bytes / mib:7.1f} MiB")
-        lines.append("  total: anonymous memory (weights, KV, scratch); mapped: pages of the model "
-                     "file read in place (page cache), outside total")
+        for d in self.devices:
+            if d.state_bytes:
+                lines.append(f"  {d.label}: room for {self.states} recurrent states of "
+                             f"{d.state_bytes / self.states / mib:.1f} MiB (each sequence's "
+                             f"own and its snapshots, and released ones kept for reuse): "
+                             f"{d.state_bytes / mib:.1f} MiB, in its total")
+        lines.append("  total: anonymous memory (weights, KV, scratch, states); mapped: pages of "
+                     "the model file read in place (page cache), outside total")
         return "\n".join(lines)
 
 
@@ -250,9 +259,19 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
     head.head = True
     for i in range(n):
         devs[1 if i >= first_gpu and gpu is not None else 0].layers.append(i)
-    layout = KVLayout(args.n_kv_heads, args.head_dim, req.block_size, req.k_type, req.v_type)
+    kv = args.kv_layers() if hasattr(args, "kv_layers") else [(args.n_kv_heads,
+                                                                  args.head_dim)] * n
+    rec = getattr(args, "recurrent_spec", lambda i: None)
     for d in devs:
-        d.kv_per_token = len(d.layers) * d.backend.kv_block_nbytes(layout) // req.block_size
+        block = 0
+        for i in d.layers:
+            if kv[i] is not None:
+                layout = KVLayout(*kv[i], req.block_size, req.k_type, req.v_type)
+                block += d.backend.kv_block_nbytes(layout)
+            if rec(i) is not None:  # room for the states its sequences and snapshots hold
+                d.state_bytes += states_held(req.kv_contexts) \
+                    * d.backend.recurrent_state_nbytes(rec(i))
+        d.kv_per_token = block // req.block_size
     tied = "output.weight" not in tensors
     for name, t in tensors.items():
         m = _LAYER.match(name)
@@ -303,7 +322,7 @@ def _needs(devs: list, ctx: int) -> dict:
     need: dict[str, int] = {}
     for d in devs:
         need[d.pool] = need.get(d.pool, 0) + d.weight_bytes + d.scratch_bytes \
-            + ctx * d.kv_per_token
+            + d.state_bytes + ctx * d.kv_per_token
     return need
 
 
@@ -333,14 +352,22 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
         for info in infos:
             free.setdefault(info.pool, info.free)
     want = parse_gpu_layers(req.gpu_layers)
-    if gpu is None:
-        n_gpu = 0
+    rec = getattr(args, "recurrent_spec", lambda i: None)
+    stay = [i for i in range(n) if rec(i) is not None] if gpu is not None \
+        and not gpu.recurrent else []
+    if gpu is None or stay and want == "auto":
+        n_gpu = 0  # the GPU backend cannot run the recurrent layers: the CPU runs them all
     elif want == "all":
         n_gpu = n
     elif want == "auto":
         n_gpu, req = _auto_split(tensors, args, pools, req, free, host)
     else:
         n_gpu = min(int(want), n)
+    if stay and n_gpu and stay[-1] >= n - n_gpu:
+        raise BadSetting(f"the {gpu.name} backend does not run linear-attention (recurrent) "
+                         f"layers, and {n_gpu} GPU layers take layer {stay[-1]}; the last "
+                         f"{n - 1 - stay[-1]} layers at most can go there (or -ngl 0)",
+                         param="gpu_layers")
     devs = _device_plans(tensors, args, pools, n_gpu, req)
     _check(devs, req, free, host, n_gpu, n)
     per_token = sum(d.kv_per_token for d in devs)
@@ -357,12 +384,13 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
             mine = [d for d in devs if d.pool == pool]
             pt = sum(d.kv_per_token for d in mine)
             if pt:
-                used = sum(d.weight_bytes + d.scratch_bytes for d in mine)
+                used = sum(d.weight_bytes + d.scratch_bytes + d.state_bytes for d in mine)
                 margin = HOST_MARGIN if pool == host else GPU_MARGIN
                 tokens = min(tokens, (free[pool] - used - margin) // pt)
         tokens = max(req.ctx, tokens)
     return MemoryPlan(n, n_gpu, req.ctx, tokens, req.k_type, req.v_type, devs, dict(free),
-                      tuple((p, "cpu" if gpu is None else k) for p, k in req.rules))
+                      tuple((p, "cpu" if gpu is None else k) for p, k in req.rules),
+                      states_held(req.kv_contexts) if any(d.state_bytes for d in devs) else 0)
 
 
 def _auto_split(tensors, args, pools, req: PlanRequest, free: dict, host: str):
@@ -416,12 +444,15 @@ def _check(devs, req: PlanRequest, free: dict, host: str, n_gpu: int, n: int) ->
                   if mapped else "")
         kv = req.ctx * sum(d.kv_per_token for d in mine)
         scratch = sum(d.scratch_bytes for d in mine)
+        states = sum(d.state_bytes for d in mine)
+        scratch_states = (f"{scratch / _GIB:.2f} GiB of scratch" + (
+            f", {states / _GIB:.2f} GiB of recurrent states" if states else ""))
         where = (f" beside {n_gpu} layers on {devs[1].backend.device}"
                  if n_gpu and devs[1].pool != host else "")
         hint = " (try a smaller --ctx-size)" if kv > free[host] // 4 else ""
         raise NotEnoughMemory(
             f"not enough memory: the model needs {weights / _GIB:.2f} GiB of its own for "
             f"weights{beside} and "
-            f"{kv / _GIB:.2f} GiB for a {req.ctx}-token KV cache (and {scratch / _GIB:.2f} GiB "
-            f"of scratch){where}, {free[host] / _GIB:.2f} GiB is available{hint}",
+            f"{kv / _GIB:.2f} GiB for a {req.ctx}-token KV cache (and {scratch_states})"
+            f"{where}, {free[host] / _GIB:.2f} GiB is available{hint}",
             param="ctx_size" if hint else None)

@@ -15,6 +15,16 @@ from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 
+SEQ_CHECKPOINTS = 2   # block-boundary snapshots a sequence keeps (and as many turn-end ones)
+CACHED_SNAPSHOTS = 6  # released sequences' snapshots kept for later prefixes
+
+
+def states_held(n_seqs: int) -> int:
+    """The most recurrent states (each a whole model's worth) n_seqs sequences hold: each a
+    live one and its snapshots, plus the released ones cached."""
+    return n_seqs * (1 + 2 * SEQ_CHECKPOINTS) + CACHED_SNAPSHOTS
+
+
 @dataclass(frozen=True, eq=False)
 class Snapshot:
     """The states of every recurrent layer after ``n`` tokens (never written again)."""
@@ -35,7 +45,8 @@ class SeqStates:
 class RecurrentSpace:
     """The recurrent layers of a model and the states of its sequences."""
 
-    def __init__(self, net, block_size: int, max_checkpoints: int = 2, max_cached: int = 6):
+    def __init__(self, net, block_size: int, max_checkpoints: int = SEQ_CHECKPOINTS,
+                 max_cached: int = CACHED_SNAPSHOTS):
         """Args:
             net: the model's Net (layers whose spec has ``recurrent`` set keep states).
             block_size: the KV block size: snapshots are taken at its multiples.

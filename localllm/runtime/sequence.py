@@ -126,7 +126,7 @@ class KVSpace:
                 self.layer_group[layer.index] = self.layer_group[src]
         self.cache = PagedCache(groups, block_size, self._copy, max_checkpoints)
         # a recurrent snapshot is a whole state (MBs per sequence): few are kept
-        self.recurrent = RecurrentSpace(net, block_size, max_checkpoints=2, max_cached=6)
+        self.recurrent = RecurrentSpace(net, block_size)
         self.block_bytes = [sum(la.backend.kv_block_nbytes(self.pages[la.index].layout)
                                 for la in g) for g in self.group_layers]
         self.bytes_per_token = sum(self.block_bytes) // block_size

@@ -22,6 +22,10 @@ from localllm.testing.compare import (GREEDY_MIN, GREEDY_PROMPTS, KL_MAX, TOP1_M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "logits"
 LEDGER_TOLERANCE = 0.05
 CONFIGS = [("torch", "all"), ("torch", 10), ("mlx", "all"), ("mlx", 10)]
+# MLX's CPU build (the stand-in for Metal) multiplies a quantized matrix a row at a time:
+# ~0.15 s a token through Gemma 3's 262k-row head, 96 s for the whole passage. Its configs
+# are held to the same bars over the passage's first positions (the greedy prompts whole).
+MLX_POSITIONS = 128
 
 
 def _config_id(c):
@@ -77,7 +81,10 @@ def test_backend_agrees_with_the_cpu_backend(reference, loaded, name, config):
     on_gpu = [la.index for la in m.net.layers if la.backend is m.gpu_backend]
     assert on_gpu == list(range(n - want, n))        # the last layers ...
     assert m.net.head_be is m.gpu_backend            # ... and the output head
-    top1, kl = compare(ref["logits"], m.logits(ref["ids"]))
+    n_ids = len(ref["ids"])
+    if config[0] == "mlx":
+        n_ids = MLX_POSITIONS
+    top1, kl = compare(ref["logits"][:n_ids], m.logits(ref["ids"][:n_ids]))
     hits = total = 0
     for (p, c), pred in zip(ref["greedy"], greedy_rows(m, ref["greedy"])):
         hits += int((pred == np.array(c)).sum())

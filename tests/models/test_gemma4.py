@@ -72,6 +72,8 @@ def test_shared_layers_read_the_pages_of_their_source(models, name):
     # and `llm inspect` counts the same
     from localllm.formats.inspect import describe
     assert describe(m.file)["kv_bytes_per_1k"] == 1000 * 2 * kv_dims
+    # and the memory plan sizes the pool by the same (not by every layer at the largest size)
+    assert m.plan.devices[0].kv_per_token == 2 * kv_dims
 
 
 @pytest.mark.parametrize("name", NAMES)

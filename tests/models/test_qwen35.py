@@ -141,13 +141,45 @@ def test_fork_and_rollback_restore_exact_states(model):
         np.testing.assert_array_equal(seq.feed(ids[32:36], all_logits=True), whole[32:36])
 
 
-def test_gpu_backends_refuse_in_one_line(path):
+def test_gpu_backends_keep_the_linear_layers_on_the_cpu(path):
+    """-ngl auto runs the model on the CPU; layers on the GPU that take a DeltaNet layer are
+    refused in one line before anything loads, naming how many could go; the last
+    (attention) layer can."""
     pytest.importorskip("torch")
-    from localllm.models import ModelError
-    with pytest.raises(ModelError) as err:
+    from localllm.errors import BadSetting
+    with pytest.raises(BadSetting) as err:
         localllm.load(path, ctx_size=256, threads=1, weight_cache=False, backend="torch",
                       gpu_layers="all")
-    assert "linear attention" in str(err.value) and "\n" not in str(err.value)
+    msg = str(err.value)
+    assert "linear-attention" in msg and "the last 1 layers at most" in msg and "\n" not in msg
+    m = localllm.load(path, ctx_size=256, threads=1, weight_cache=False, backend="torch",
+                      gpu_layers="auto")
+    try:
+        assert m.plan.gpu_layers == 0 and m.plan.summary() == "cpu"
+    finally:
+        m.close()
+    m = localllm.load(path, ctx_size=256, threads=1, weight_cache=False, backend="torch",
+                      gpu_layers=1)
+    try:
+        assert m.plan.gpu_layers == 1
+        assert len(list(m.generate("The", max_tokens=2, temperature=0))) > 0
+    finally:
+        m.close()
+
+
+def test_plan_sizes_kv_for_attention_layers_and_room_for_states(model):
+    """The ledger's KV is the full-attention layers' (what the pool holds), and the states'
+    room is counted in the CPU's total: a live state and snapshots per sequence."""
+    from localllm.runtime.placement import POOL_CONTEXTS
+    from localllm.runtime.recurrent import states_held
+    plan, space = model.plan, model._runner.space
+    cpu = plan.devices[0]
+    assert cpu.kv_per_token == space.bytes_per_token
+    assert plan.states == states_held(POOL_CONTEXTS)
+    assert cpu.state_bytes == plan.states * space.recurrent.state_nbytes
+    assert plan.total(cpu) == cpu.weight_bytes + plan.kv_bytes(cpu) + cpu.scratch_bytes \
+        + cpu.state_bytes
+    assert f"room for {plan.states} recurrent states" in plan.format()
 
 
 def test_speculative_drafts_roll_back_to_exact_states(path, model, tmp_path, metas):
