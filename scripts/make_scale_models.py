@@ -66,7 +66,8 @@ SHAPES = {
                               40960, n_experts=128, n_used=8),
     # Qwen3.5 4B's shape: 32 layers, full (gated) attention on every fourth, 16 query heads
     # of 256 over 4 KV heads with a quarter of each rotated; Gated DeltaNet elsewhere with 16
-    # key and 32 value heads of 128; 248k-token vocabulary, tied embedding
+    # key and 32 value heads of 128; tied embedding (the qwen35 vocab file's 152k tokens,
+    # where the real model has 248k)
     "qwen3.5-4b": Shape("qwen35", "qwen35", 2560, 32, 16, 4, 256, 9216, 10000000.0, True,
                         262144, ssm=(16, 32, 128, 4), full_every=4),
 }
