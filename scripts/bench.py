@@ -104,22 +104,33 @@ def worker_localllm(path: str, ids: list[int], threads: int, reps: int, depth: i
 
 
 def decode_weight_bytes(m) -> int:
-    """Bytes of weights one decode step reads: every layer matrix plus the output head; of a
-    mixture-of-experts layer, the router, the shared expert and the top-k experts' share of
-    the stacks (k / n_experts, the average over tokens)."""
+    """Bytes of weights one decode step reads: every layer matrix (copied or read from the
+    mapped file) plus the output head; of a mixture-of-experts layer, the router, the shared
+    expert and the top-k experts' share of the stacks (k / n_experts, the average over
+    tokens). Layers of any kind (attention, DeltaNet) are walked field by field."""
     net = m.net
-    total = net.output.nbytes
-    for layer in net.layers:
-        b = layer.weights
-        for w in (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down):
-            total += 0 if w is None else w.nbytes
-        e, spec = b.moe, layer.spec.moe
-        if e is not None:
-            for w in (e.router, e.shared_gate, e.shared_up, e.shared_down, e.shared_gate_inp):
-                total += 0 if w is None else w.nbytes
-            stacks = sum(x.nbytes for x in (e.gate, e.up, e.down))
-            total += stacks * spec.n_used // spec.n_experts
-    return int(total)
+    return int(_weight_bytes(net.output) + sum(_weight_bytes(la.weights, la.spec.moe)
+                                               for la in net.layers))
+
+
+def _weight_bytes(obj, moe=None) -> int:
+    import dataclasses
+
+    import numpy as np
+    if obj is None or isinstance(obj, (int, float, str, bool, np.ndarray)):
+        return 0  # host vectors and tables are small
+    if hasattr(obj, "router") and hasattr(obj, "gate"):  # MoEWeights
+        rest = sum(_weight_bytes(getattr(obj, f, None)) for f in
+                   ("router", "shared_gate", "shared_up", "shared_down", "shared_gate_inp"))
+        stacks = sum(_weight_bytes(x) for x in (obj.gate, obj.up, obj.down))
+        return rest + stacks * moe.n_used // moe.n_experts
+    if hasattr(obj, "nbytes"):  # a matrix or a stack of experts
+        return int(obj.nbytes) + int(getattr(obj, "file_nbytes", 0))
+    if isinstance(obj, dict):
+        return sum(_weight_bytes(v, moe) for v in obj.values())
+    if dataclasses.is_dataclass(obj):
+        return sum(_weight_bytes(getattr(obj, f.name), moe) for f in dataclasses.fields(obj))
+    return 0
 
 
 def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int,
