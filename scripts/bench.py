@@ -13,6 +13,7 @@ the other. Prompt figures use the same token ids for both engines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -114,8 +115,6 @@ def decode_weight_bytes(m) -> int:
 
 
 def _weight_bytes(obj, moe=None) -> int:
-    import dataclasses
-
     import numpy as np
     if obj is None or isinstance(obj, (int, float, str, bool, np.ndarray)):
         return 0  # host vectors and tables are small

@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 
 from localllm.formats.fetch import cached_path
-from localllm.testing.synthetic import llama3_freq_factors
+from localllm.testing.synthetic import llama3_freq_factors, qwen35_ssm_keys
 
 
 @dataclass(frozen=True)
@@ -200,11 +200,8 @@ def _metadata(w: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     if a == "gemma3":
         w.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
     if a == "qwen35":
-        Hk, Hv, S, K = s.ssm
-        for k, v in {"ssm.conv_kernel": K, "ssm.inner_size": Hv * S, "ssm.state_size": S,
-                     "ssm.time_step_rank": Hv, "ssm.group_count": Hk,
-                     "full_attention_interval": s.full_every,
-                     "rope.dimension_count": s.head_dim // 4}.items():
+        keys = {**qwen35_ssm_keys(s.ssm, s.full_every), "rope.dimension_count": s.head_dim // 4}
+        for k, v in keys.items():
             w.add_uint32(f"{a}.{k}", v)
         w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
     if s.n_experts:

@@ -94,8 +94,9 @@ class ModelArgs(llama.ModelArgs):
 
     def kv_layers(self) -> list:
         """Full-attention trunk layers hold KV; DeltaNet layers a state, MTP blocks nothing."""
-        return [(self.n_kv_heads, self.head_dim) if i < len(self.recurrent)
-                and not self.recurrent[i] else None for i in range(self.n_layers)]
+        trunk = len(self.recurrent)
+        return [(self.n_kv_heads, self.head_dim) if i < trunk and not self.recurrent[i]
+                else None for i in range(self.n_layers)]
 
     def recurrent_spec(self, i: int):
         return self.delta_net if i < len(self.recurrent) and self.recurrent[i] else None

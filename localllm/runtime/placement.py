@@ -259,18 +259,16 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
     head.head = True
     for i in range(n):
         devs[1 if i >= first_gpu and gpu is not None else 0].layers.append(i)
-    kv = args.kv_layers() if hasattr(args, "kv_layers") else [(args.n_kv_heads,
-                                                                  args.head_dim)] * n
-    rec = getattr(args, "recurrent_spec", lambda i: None)
+    kv, rec = _layer_memory(args)
     for d in devs:
         block = 0
         for i in d.layers:
             if kv[i] is not None:
                 layout = KVLayout(*kv[i], req.block_size, req.k_type, req.v_type)
                 block += d.backend.kv_block_nbytes(layout)
-            if rec(i) is not None:  # room for the states its sequences and snapshots hold
+            if rec[i] is not None:  # room for the states its sequences and snapshots hold
                 d.state_bytes += states_held(req.kv_contexts) \
-                    * d.backend.recurrent_state_nbytes(rec(i))
+                    * d.backend.recurrent_state_nbytes(rec[i])
         d.kv_per_token = block // req.block_size
     tied = "output.weight" not in tensors
     for name, t in tensors.items():
@@ -317,6 +315,16 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
     return devs
 
 
+def _layer_memory(args) -> tuple[list, list]:
+    """Per layer, the (KV heads, head size) of its pages or None, and its DeltaNetSpec or
+    None (the model's ``kv_layers``/``recurrent_spec``; an encoder's args have neither: every
+    layer at its one size, none recurrent)."""
+    n = args.n_layers
+    if not hasattr(args, "kv_layers"):
+        return [(args.n_kv_heads, args.head_dim)] * n, [None] * n
+    return args.kv_layers(), [args.recurrent_spec(i) for i in range(n)]
+
+
 def _needs(devs: list, ctx: int) -> dict:
     """Bytes each pool needs for weights, scratch and one full context of KV."""
     need: dict[str, int] = {}
@@ -352,9 +360,8 @@ def plan_memory(tensors, args, cpu: Backend, gpu: Backend | None, req: PlanReque
         for info in infos:
             free.setdefault(info.pool, info.free)
     want = parse_gpu_layers(req.gpu_layers)
-    rec = getattr(args, "recurrent_spec", lambda i: None)
-    stay = [i for i in range(n) if rec(i) is not None] if gpu is not None \
-        and not gpu.recurrent else []
+    stay = [i for i, r in enumerate(_layer_memory(args)[1]) if r is not None] \
+        if gpu is not None and not gpu.recurrent else []
     if gpu is None or stay and want == "auto":
         n_gpu = 0  # the GPU backend cannot run the recurrent layers: the CPU runs them all
     elif want == "all":

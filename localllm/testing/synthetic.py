@@ -498,12 +498,18 @@ def _qwen35_vectors(s: Spec, norm, rng: np.random.Generator) -> list[tuple]:
     return out
 
 
+def qwen35_ssm_keys(ssm: tuple, full_every: int) -> dict:
+    """Qwen3.5's DeltaNet metadata (uint32 values by key after ``{arch}.``) for ssm = (key
+    heads, value heads, head size, conv kernel) and full attention every full_every layers."""
+    Hk, Hv, S, K = ssm
+    return {"ssm.conv_kernel": K, "ssm.inner_size": Hv * S, "ssm.state_size": S,
+            "ssm.time_step_rank": Hv, "ssm.group_count": Hk,
+            "full_attention_interval": full_every}
+
+
 def _qwen35_meta(w: GGUFWriter, s: Spec) -> None:
     a = s.arch + "."
-    Hk, Hv, S, K = s.ssm
-    for k, v in {"ssm.conv_kernel": K, "ssm.inner_size": Hv * S, "ssm.state_size": S,
-                 "ssm.time_step_rank": Hv, "ssm.group_count": Hk,
-                 "full_attention_interval": s.full_every}.items():
+    for k, v in qwen35_ssm_keys(s.ssm, s.full_every).items():
         w.add_key_value(a + k, v, GGUFValueType.UINT32)
     if s.nextn:
         w.add_key_value(a + "nextn_predict_layers", s.nextn, GGUFValueType.UINT32)
