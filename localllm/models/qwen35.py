@@ -88,6 +88,9 @@ class ModelArgs(llama.ModelArgs):
                              f"'{p}time_step_rank' times '{p}state_size' "
                              f"({self.n_v_heads} x {self.ssm_state}): key and value heads "
                              "of different sizes are not supported")
+        if self.ssm_state % 16:
+            raise ModelError(f"metadata '{p}state_size' ({self.ssm_state}) is not a multiple "
+                             "of 16: not supported")
         if all(self.recurrent):
             raise ModelError(f"the file's {len(self.recurrent)} layers are all recurrent "
                              "(no full-attention layer); not supported")

@@ -167,6 +167,22 @@ def test_gpu_backends_keep_the_linear_layers_on_the_cpu(path):
         m.close()
 
 
+def test_unsupported_state_sizes_are_refused_naming_the_key(path):
+    """A DeltaNet head size the kernels cannot run is a one-line error naming the key."""
+    from dataclasses import replace
+
+    from localllm.formats.gguf import GGUFFile
+    from localllm.models import qwen35
+    from localllm.models.common import ModelError
+    with GGUFFile(path) as f:
+        args = qwen35.ModelArgs.from_gguf(f.metadata)
+    odd = replace(args, ssm_state=24, ssm_inner=24 * args.n_v_heads)
+    with pytest.raises(ModelError, match="'qwen35.ssm.state_size' \\(24\\) is not a multiple"):
+        odd.check_recurrent()
+    with pytest.raises(ModelError, match="time_step_rank"):
+        replace(args, n_v_heads=args.n_k_heads + 1).check_recurrent()
+
+
 def test_plan_sizes_kv_for_attention_layers_and_room_for_states(model):
     """The ledger's KV is the full-attention layers' (what the pool holds), and the states'
     room is counted in the CPU's total: a live state and snapshots per sequence."""

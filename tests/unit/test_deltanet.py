@@ -92,3 +92,16 @@ def test_the_window_carries_the_previous_inputs():
     deltanet.delta_net(x["qkv"][6:], x["alpha"][6:], x["beta_in"][6:], x["conv_w"],
                        x["dt_bias"], x["a"], window, state, HK, S, EPS, rest)
     assert not np.array_equal(rest[0], whole[6])
+
+
+def test_head_sizes_off_the_vector_width_are_refused():
+    """The kernels sum in 16-lane vectors: a head size that is no multiple of 16 is an error,
+    not a read past the row."""
+    hk, hv, s = 1, 2, 24
+    c = (2 * hk + hv) * s
+    with pytest.raises(ValueError, match="multiple of 16"):
+        deltanet.delta_net(np.zeros((2, c), np.float32), np.zeros((2, hv), np.float32),
+                           np.zeros((2, hv), np.float32), np.zeros((c, K), np.float32),
+                           np.zeros(hv, np.float32), np.zeros(hv, np.float32),
+                           np.zeros((K - 1, c), np.float32), np.zeros((hv, s, s), np.float32),
+                           hk, s, EPS, np.empty((2, hv * s), np.float32))
