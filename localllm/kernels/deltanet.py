@@ -4,7 +4,7 @@ causal convolution over its kept window of inputs, and the gated delta rule over
 Both run token after token with a fixed operation order per output element (16-lane vector
 sums folded by one tree, as simd.py defines them), so a token's result is bit identical
 however the sequence's tokens were split into calls (prompt chunks, decode steps) and on
-every target. Heads go to threads whole. The states are updated in place. Head sizes are
+every target. Rows of a head's state go to threads in blocks. The states are updated in place. Head sizes are
 multiples of 16 (ModelArgs checks it).
 """
 
@@ -14,9 +14,11 @@ import numpy as np
 from numba import prange
 
 from .jit import njit
-from .rowmath import vf_silu
+from .rowmath import vd_hsum, vd_sqacc, vd_zero, vf_silu
 from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
 from .vmath import vf_fma, vf_hsum
+
+ROWS_PER_ITEM = 16  # state rows a thread takes through all of a call's tokens
 
 
 @njit(cache=True, parallel=True)
@@ -64,21 +66,37 @@ def causal_conv_silu(x, window, w, out):
 
 
 @njit(cache=True, inline="always")
-def _l2_scale(x, eps):
-    """1 / sqrt(sum(x^2) + eps) of a row, summed in float64 in order."""
-    ss = 0.0
-    for i in range(x.shape[0]):
-        ss += np.float64(x[i]) * np.float64(x[i])
-    return np.float32(1.0 / math.sqrt(ss + eps))
-
-
-@njit(cache=True, inline="always")
-def _row_dot(a, ab, b, bb, n):
-    """Lane-wise fused sums of a[ab:] * b[bb:] over n floats (byte offsets), folded."""
-    acc = vf_zero()
+def _l2_scale(x, off, n, eps):
+    """1 / sqrt(sum(x^2) + eps) of n floats from byte ``off``: float64 squares summed in 16
+    lanes in order, folded by one tree."""
+    acc = vd_zero()
     for i in range(0, n * 4, 64):
-        acc = vf_fma(vf_load(a, ab + i), vf_load(b, bb + i), acc)
-    return vf_hsum(acc)
+        acc = vd_sqacc(acc, vf_load(x, off + i))
+    return np.float32(1.0 / math.sqrt(vd_hsum(acc) + eps))
+
+
+@njit(cache=True, parallel=True)
+def _prepare(conv, alpha, beta_in, dt_bias, a, n_k_heads, S, eps, q, k, v, g, beta):
+    """Per token: L2-normalised q and k heads, v, decays and write strengths."""
+    T, C = conv.shape
+    Hv = alpha.shape[1]
+    kd = n_k_heads * S
+    for t in prange(T):
+        row = t * C * 4
+        for h in range(n_k_heads):
+            sq = vf_splat(_l2_scale(conv, row + h * S * 4, S, eps))
+            sk = vf_splat(_l2_scale(conv, row + (kd + h * S) * 4, S, eps))
+            qo = ((t * n_k_heads + h) * S) * 4
+            for i in range(0, S * 4, 64):
+                vf_store(q, qo + i, vf_mul(vf_load(conv, row + h * S * 4 + i), sq))
+                vf_store(k, qo + i, vf_mul(vf_load(conv, row + (kd + h * S) * 4 + i), sk))
+        for i in range(0, Hv * S * 4, 64):
+            vf_store(v, t * Hv * S * 4 + i, vf_load(conv, row + 2 * kd * 4 + i))
+        for h in range(Hv):
+            x = alpha[t, h] + dt_bias[h]
+            sp = x if x > np.float32(20.0) else np.float32(math.log1p(math.exp(x)))
+            g[t, h] = sp * a[h]
+            beta[t, h] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-beta_in[t, h])))
 
 
 @njit(cache=True, parallel=True)
@@ -99,24 +117,65 @@ def gated_delta_rule(q, k, v, g, beta, state, out):
     T, Hk, Sk = q.shape
     Hv, Sv = v.shape[1], v.shape[2]
     scale = np.float32(1.0 / math.sqrt(Sk))
-    for h in prange(Hv):
+    nblk = (Sv + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    decays = np.empty((T, Hv), np.float32)
+    for t in range(T):
+        for h in range(Hv):
+            decays[t, h] = np.float32(math.exp(g[t, h]))
+    # A row of a head's state meets only its own row of the update, so each work item
+    # takes a few rows (they stay in L1) through all the tokens.
+    for item in prange(Hv * nblk):
+        h = item // nblk
+        j0 = (item % nblk) * ROWS_PER_ITEM
+        j1 = min(Sv, j0 + ROWS_PER_ITEM)
         hk = h % Hk
         for t in range(T):
-            decay = np.float32(math.exp(g[t, h]))
+            decay = decays[t, h]
             dv = vf_splat(decay)
             b = beta[t, h]
             kb = ((t * Hk + hk) * Sk) * 4
-            for j in range(Sv):
-                sb = ((h * Sv + j) * Sk) * 4
-                sk = decay * _row_dot(state, sb, k, kb, Sk)
-                dd = vf_splat((v[t, h, j] - sk) * b)
-                acc = vf_zero()
+            for j in range(j0, j1, 4):  # four rows at once: their chains overlap
+                s0 = ((h * Sv + j) * Sk) * 4
+                s1 = s0 + Sk * 4
+                s2 = s1 + Sk * 4
+                s3 = s2 + Sk * 4
+                a0 = vf_zero()
+                a1 = vf_zero()
+                a2 = vf_zero()
+                a3 = vf_zero()
                 for i in range(0, Sk * 4, 64):
                     ki = vf_load(k, kb + i)
-                    s = vf_fma(ki, dd, vf_mul(vf_load(state, sb + i), dv))
-                    vf_store(state, sb + i, s)
-                    acc = vf_fma(s, vf_load(q, kb + i), acc)
-                out[t, h, j] = vf_hsum(acc) * scale
+                    a0 = vf_fma(vf_load(state, s0 + i), ki, a0)
+                    a1 = vf_fma(vf_load(state, s1 + i), ki, a1)
+                    a2 = vf_fma(vf_load(state, s2 + i), ki, a2)
+                    a3 = vf_fma(vf_load(state, s3 + i), ki, a3)
+                d0 = vf_splat((v[t, h, j] - decay * vf_hsum(a0)) * b)
+                d1 = vf_splat((v[t, h, j + 1] - decay * vf_hsum(a1)) * b)
+                d2 = vf_splat((v[t, h, j + 2] - decay * vf_hsum(a2)) * b)
+                d3 = vf_splat((v[t, h, j + 3] - decay * vf_hsum(a3)) * b)
+                a0 = vf_zero()
+                a1 = vf_zero()
+                a2 = vf_zero()
+                a3 = vf_zero()
+                for i in range(0, Sk * 4, 64):
+                    ki = vf_load(k, kb + i)
+                    qi = vf_load(q, kb + i)
+                    n0 = vf_fma(ki, d0, vf_mul(vf_load(state, s0 + i), dv))
+                    n1 = vf_fma(ki, d1, vf_mul(vf_load(state, s1 + i), dv))
+                    n2 = vf_fma(ki, d2, vf_mul(vf_load(state, s2 + i), dv))
+                    n3 = vf_fma(ki, d3, vf_mul(vf_load(state, s3 + i), dv))
+                    vf_store(state, s0 + i, n0)
+                    vf_store(state, s1 + i, n1)
+                    vf_store(state, s2 + i, n2)
+                    vf_store(state, s3 + i, n3)
+                    a0 = vf_fma(n0, qi, a0)
+                    a1 = vf_fma(n1, qi, a1)
+                    a2 = vf_fma(n2, qi, a2)
+                    a3 = vf_fma(n3, qi, a3)
+                out[t, h, j] = vf_hsum(a0) * scale
+                out[t, h, j + 1] = vf_hsum(a1) * scale
+                out[t, h, j + 2] = vf_hsum(a2) * scale
+                out[t, h, j + 3] = vf_hsum(a3) * scale
 
 
 @njit(cache=True)
@@ -136,8 +195,8 @@ def delta_net(qkv, alpha, beta_in, conv_w, dt_bias, a, window, state, n_k_heads,
     T, C = qkv.shape
     Hv = alpha.shape[1]
     S = head_dim
-    kd = n_k_heads * S
-    if S % 16 or state.shape != (Hv, S, S) or out.shape != (T, Hv * S):
+    if (S % 16 or C != (2 * n_k_heads + Hv) * S or state.shape != (Hv, S, S)
+            or out.shape != (T, Hv * S)):
         raise ValueError("delta_net: the head size must be a multiple of 16, shapes to match")
     conv = np.empty((T, C), np.float32)
     causal_conv_silu(np.ascontiguousarray(qkv), window, conv_w, conv)
@@ -146,18 +205,6 @@ def delta_net(qkv, alpha, beta_in, conv_w, dt_bias, a, window, state, n_k_heads,
     v = np.empty((T, Hv, S), np.float32)
     g = np.empty((T, Hv), np.float32)
     beta = np.empty((T, Hv), np.float32)
-    for t in range(T):
-        for h in range(n_k_heads):
-            sq = _l2_scale(conv[t, h * S:(h + 1) * S], eps)
-            sk = _l2_scale(conv[t, kd + h * S:kd + (h + 1) * S], eps)
-            for i in range(S):
-                q[t, h, i] = conv[t, h * S + i] * sq
-                k[t, h, i] = conv[t, kd + h * S + i] * sk
-        for h in range(Hv):
-            for i in range(S):
-                v[t, h, i] = conv[t, 2 * kd + h * S + i]
-            x = alpha[t, h] + dt_bias[h]
-            sp = x if x > np.float32(20.0) else np.float32(math.log1p(math.exp(x)))
-            g[t, h] = sp * a[h]
-            beta[t, h] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-beta_in[t, h])))
+    _prepare(conv, np.ascontiguousarray(alpha), np.ascontiguousarray(beta_in), dt_bias, a,
+             n_k_heads, S, eps, q, k, v, g, beta)
     gated_delta_rule(q, k, v, g, beta, state, out.reshape(T, Hv, S))
