@@ -164,6 +164,12 @@ class Backend(Protocol):
         ``raw`` expert after expert), each computable on its own; ``done`` as for
         upload_matrix."""
 
+    def upload_expert_halves(self, name: str, type_name: str, raw: Any, n_experts: int,
+                             N: int, K: int, done: Any = None) -> tuple[Any, Any]:
+        """Keep a fused stack (n_experts of (2N out, K in): each expert's first N rows, then
+        its second N, as Gemma 4's ``ffn_gate_up_exps``) as two stacks of n_experts (N, K)
+        for moe_ffn's gate and up; ``done`` as for upload_matrix."""
+
     def upload_vector(self, values: Any) -> Any:
         """Keep a float32 1-D tensor (norm weights, biases)."""
 

@@ -27,7 +27,7 @@ from localllm.kernels import ops
 from . import cpu_block, cpu_moe
 from .base import KVBatch, KVLayout, MemoryInfo, RopeSpec
 from .cpu_store import PackedStore
-from .host import RopeTables
+from .host import RopeTables, copy_expert_halves
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -196,6 +196,12 @@ class CpuBackend:
         w = cpu_moe.pack_experts(type_name, raw, n_experts, N, K, done)
         self._held += w.nbytes
         return w
+
+    def upload_expert_halves(self, name, type_name, raw, n_experts, N, K, done=None):
+        if cpu_moe.can_map(type_name, 2 * N, K):
+            # one mapped stack of 2N rows; moe_ffn computes both halves in one matmul
+            return cpu_moe.map_expert_halves(type_name, raw, n_experts, N, K)
+        return copy_expert_halves(self, name, type_name, raw, n_experts, N, K, done)
 
     def upload_vector(self, values):
         v = np.ascontiguousarray(values, dtype=np.float32)

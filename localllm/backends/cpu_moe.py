@@ -37,6 +37,9 @@ class Experts:
     parts: tuple
     mapped: bool = False
     stacked: np.ndarray | None = None  # mapped: the file's (n_experts, N, row bytes)
+    # 0 or 1: the first or second N rows of a fused stack of 2N (``parts`` and ``stacked``
+    # are the whole fused stack's, shared by both halves); -1: a stack of its own
+    half: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -45,8 +48,16 @@ class Experts:
 
     @property
     def file_nbytes(self) -> int:
-        """Bytes read from the mapped file in place."""
-        return sum(w.file_nbytes for w in self.parts) if self.mapped else 0
+        """Bytes read from the mapped file in place (a half counts half the fused stack)."""
+        if not self.mapped:
+            return 0
+        total = sum(w.file_nbytes for w in self.parts)
+        return total // 2 if self.half >= 0 else total
+
+
+def fused(gate: Experts, up: Experts) -> bool:
+    """Whether gate and up are the two halves of one mapped fused stack."""
+    return gate.half == 0 and up.half == 1 and gate.stacked is up.stacked
 
 
 def can_map(type_name: str, N: int, K: int) -> bool:
@@ -74,6 +85,15 @@ def map_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int)
         stacked = stacked.view()
         stacked.flags.writeable = False
     return Experts(type_name, N, K, parts, mapped=True, stacked=stacked)
+
+
+def map_expert_halves(type_name: str, raw: np.ndarray, n_experts: int, N: int,
+                      K: int) -> tuple[Experts, Experts]:
+    """A fused GGUF stack (n_experts of 2N rows: each expert's first N, then its second N)
+    mapped once, as its two halves (see ``Experts.half``)."""
+    whole = map_experts(type_name, raw, n_experts, 2 * N, K)
+    return tuple(Experts(type_name, N, K, whole.parts, mapped=True, stacked=whole.stacked,
+                         half=h) for h in range(2))
 
 
 def pack_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int,
@@ -133,12 +153,22 @@ def _matmul(w, act: mm.QuantActivations, mapped: bool) -> np.ndarray:
     return mapped_k.matmul_mapped(w, act) if mapped else mm.matmul(w, act)
 
 
+def _split(gu: np.ndarray, N: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fused matmul's output (m, 2N) as gate and up (m, N) each."""
+    return np.ascontiguousarray(gu[:, :N]), np.ascontiguousarray(gu[:, N:])
+
+
 def _swiglu(act: mm.QuantActivations, gate, up, down, activation: str,
-            biases=(None, None, None), mapped=(False, False, False)) -> np.ndarray:
+            biases=(None, None, None), mapped=(False, False, False),
+            fused_rows: int = 0) -> np.ndarray:
     """One expert (or the shared one) over the rows of ``act``; ``biases``: the gate's, the
     up's and the down's, each added to its matmul's output (None: none); ``mapped``: which
-    of the three are MappedWeights."""
-    g, u = _matmul(gate, act, mapped[0]), _matmul(up, act, mapped[1])
+    of the three are MappedWeights; ``fused_rows`` N > 0: ``gate`` is a fused matrix of 2N
+    rows whose first N are the gate and last N the up (``up`` is not read)."""
+    if fused_rows:
+        g, u = _split(_matmul(gate, act, mapped[0]), fused_rows)
+    else:
+        g, u = _matmul(gate, act, mapped[0]), _matmul(up, act, mapped[1])
     if biases[0] is not None:
         g += biases[0]
         u += biases[1]
@@ -155,8 +185,12 @@ def _one_token(act, w, groups, k: int, activation: str) -> np.ndarray:
     ids = np.empty(k, np.int64)
     for e, pairs in groups:
         ids[pairs] = e
-    g = mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act)
-    u = mapped_k.matmul_stack(w.up.type_name, w.up.stacked, ids, act)
+    if fused(w.gate, w.up):  # both halves in one region
+        g, u = _split(mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act),
+                      w.gate.N)
+    else:
+        g = mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act)
+        u = mapped_k.matmul_stack(w.up.type_name, w.up.stacked, ids, act)
     h = _quantize_for(glu(g, u, activation), [w.down.parts[0]])
     return mapped_k.matmul_stack(w.down.type_name, w.down.stacked, ids, h)
 
@@ -190,9 +224,11 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
         y = _one_token(act, w, groups, k, spec.activation)
     else:
         y = np.empty((n * k, dim), np.float32)
+        rows = w.gate.N if fused(w.gate, w.up) else 0
         for e, pairs in groups:
             y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
-                               w.down.parts[e], spec.activation, expert_biases(w, e), mapped)
+                               w.down.parts[e], spec.activation, expert_biases(w, e), mapped,
+                               rows)
     shared, shared_gate = _NO_SHARED, _NO_GATE
     if w.shared_up is not None:
         shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, spec.activation)

@@ -16,8 +16,8 @@ from localllm.kernels.ops import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from localllm.kernels.kvpages import check_head_dim
 
 from .base import KVBatch, KVLayout
-from .host import (AttentionPlan, PlanCache, RopeTables, expert_biases, kv_block_nbytes,
-                   kv_rotated, route_tokens)
+from .host import (AttentionPlan, PlanCache, RopeTables, copy_expert_halves, expert_biases,
+                   kv_block_nbytes, kv_rotated, route_tokens)
 
 QBLOCK = 32        # dims per scale of q8_0 / q4_0
 FP8_MAX = 448.0    # E4M3's largest finite value: fp8 keys and values saturate there
@@ -251,6 +251,10 @@ class DeviceBackend:
         if done is not None:
             done(0, n_experts * per)
         return DeviceExperts(parts)
+
+    def upload_expert_halves(self, name: str, type_name: str, raw: Any, n_experts: int,
+                             N: int, K: int, done: Any = None) -> tuple:
+        return copy_expert_halves(self, name, type_name, raw, n_experts, N, K, done)
 
     # ---- math
 

@@ -18,6 +18,22 @@ from localllm.kernels.ops import rope_tables
 from .base import KVBatch, KVLayout, RopeSpec
 
 
+def copy_expert_halves(be, name: str, type_name: str, raw, n_experts: int, N: int, K: int,
+                       done=None) -> tuple:
+    """``upload_expert_halves`` by copying each half out of the file's stride and uploading
+    it as a stack of its own: every output row is its own dot product, so the halves compute
+    what the whole would."""
+    stack = np.asarray(raw).reshape(n_experts, -1)
+    per = stack.shape[1] // 2
+    halves = tuple(be.upload_experts(f"{name}#{h}", type_name,
+                                     np.ascontiguousarray(stack[:, h * per:(h + 1) * per]),
+                                     n_experts, N, K)
+                   for h in range(2))
+    if done is not None:
+        done(0, stack.size)
+    return halves
+
+
 def kv_block_nbytes(layout: KVLayout) -> int:
     """Bytes of one block's keys and values in the device backends' token-major pages: the
     same as the CPU backend's for every KV type."""

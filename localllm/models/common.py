@@ -249,22 +249,15 @@ class WeightLoader:
 
     def experts_split(self, name: str, n_experts: int, N: int, K: int) -> tuple:
         """A fused stack of expert matrices (n_experts of 2N out, K in: each expert's first N
-        rows, then its second N, as Gemma 4's ``ffn_gate_up_exps``) uploaded as two stacks
-        of n_experts x (N, K), first rows and second rows.
-
-        Each half is copied out of the file's stride on the way to the backend: every
-        output row is its own dot product, so the halves compute what the whole would."""
+        rows, then its second N, as Gemma 4's ``ffn_gate_up_exps``) uploaded with
+        ``upload_expert_halves`` as two stacks of n_experts x (N, K)."""
         info = self._info(name, (n_experts, 2 * N, K))
         be = self.backend_for(name)
-        per = self.file.blocks(name).shape[1] * N  # bytes of one expert's half
-        stack = self.file.raw(name).reshape(n_experts, 2 * per)
-        halves = tuple(be.upload_experts(f"{name}#{h}", info.type_name,
-                                         np.ascontiguousarray(stack[:, h * per:(h + 1) * per]),
-                                         n_experts, N, K)
-                       for h in range(2))
+        done = None
         if be.copies_weights:
-            self.file.release(name)
-        return halves
+            done = lambda a, b: self.file.release(name, a, b)  # noqa: E731
+        return be.upload_expert_halves(name, info.type_name, self.file.raw(name), n_experts,
+                                       N, K, done)
 
     def expert_vectors(self, name: str, n_experts: int, n: int) -> tuple:
         """A float 2-D tensor of one vector of n per expert (gpt-oss's expert biases), as

@@ -291,9 +291,7 @@ def _device_plans(tensors, args, pools: list, n_gpu: int, req: PlanRequest) -> l
         elif len(t.shape) == 3:  # a stack of experts, copied or read from the file in place
             E, N, K = (int(s) for s in t.shape)
             anon, mapped = d.backend.plan_experts_nbytes(t.type_name, E, N, K)
-            if d.pool != host or "gate_up_exps" in name:
-                # only the host's memory holds the file's pages, and a fused gate/up stack
-                # is copied out into its two halves (WeightLoader.experts_split)
+            if d.pool != host:  # only the host's memory holds the file's pages
                 anon, mapped = anon + mapped, 0
             d.weight_bytes += anon
             d.file_bytes += mapped

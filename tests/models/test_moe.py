@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import localllm
+from localllm.formats.gguf import GGUFFile
 from localllm.testing import synthetic
 from localllm.testing.compare import coarse_kl, log_softmax
 from support.backends import device_agreement
@@ -163,6 +164,39 @@ def test_experts_kept_on_the_cpu_agree_with_the_cpu_backend(moe_files, moe_model
     print(f"{name} on {backend} with {split}: top-1 {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= DEVICE_TOP1
     assert kl <= DEVICE_KL
+
+
+def test_fused_gate_up_experts_are_read_in_place(moe_files, moe_models, monkeypatch):
+    """Gemma 4's fused gate/up stack is mapped once (no anonymous copy of either half, the
+    plan counts it as file pages) and both halves come from one matmul per expert: the
+    logits of copying the halves out, bit for bit."""
+    from localllm.backends import cpu as cpu_be
+    from localllm.backends import cpu_moe
+    from localllm.backends.host import copy_expert_halves
+    name = "gemma4moe_fused"
+    m = moe_models(name)
+    ids = load_case(name)["ids"][:48].tolist()
+    layers = [la for la in m.net.layers if la.weights.moe is not None]
+    assert layers
+    for la in layers:
+        gate, up = la.weights.moe.gate, la.weights.moe.up
+        assert cpu_moe.fused(gate, up) and gate.mapped and gate.nbytes == up.nbytes == 0
+        assert gate.file_nbytes == up.file_nbytes > 0
+    with GGUFFile(moe_files[name]) as f:
+        fused_bytes = sum(int(t.nbytes) for n, t in f.tensors.items() if "gate_up_exps" in n)
+    host = m.plan.devices[0]
+    assert fused_bytes > 0 and host.file_bytes >= fused_bytes
+    mapped_logits = m.logits(ids)
+    monkeypatch.setattr(cpu_be.CpuBackend, "upload_expert_halves",
+                        lambda be, *a, **k: copy_expert_halves(be, *a, **k))
+    copied = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False)
+    try:
+        gate = next(la.weights.moe.gate for la in copied.net.layers
+                    if la.weights.moe is not None)
+        assert gate.half == -1 and gate.N == layers[0].weights.moe.gate.N
+        np.testing.assert_array_equal(copied.logits(ids), mapped_logits)
+    finally:
+        copied.close()
 
 
 def test_llm_inspect_plan_lists_expert_bytes_per_device(moe_files):

@@ -117,9 +117,11 @@ def _upload(b, f: GGUFFile):
     return BlockWeights(**w), table
 
 
-def _experts(b, seed: int = 3) -> MoEWeights:
+def _experts(b, seed: int = 3, fused: bool = False) -> MoEWeights:
     """A small mixture-of-experts FFN on backend b (4 Q8_0 experts of width 64, an F32
-    router) with gpt-oss's router and expert biases; the same values on every backend."""
+    router) with gpt-oss's router and expert biases; the same values on every backend.
+    ``fused``: gate and up uploaded as one stack of 2 x 64 rows an expert (Gemma 4's
+    ``ffn_gate_up_exps``) through ``upload_expert_halves``, the same weights."""
     rng = np.random.default_rng(seed)
     E, F = 4, 64
     router = (rng.standard_normal((E, DIM)) * 0.05).astype(np.float32)
@@ -131,6 +133,10 @@ def _experts(b, seed: int = 3) -> MoEWeights:
     experts = {x: b.upload_experts(x, "Q8_0", stack[x], E, *shape[x]) for x in stack}
     for x, w in experts.items():  # the plan's bytes, anonymous and file-backed together
         assert b.matrix_nbytes(w) == sum(b.plan_experts_nbytes("Q8_0", E, *shape[x]))
+    if fused:  # each expert's gate rows, then its up rows, in one stack
+        both = np.concatenate([stack[x].reshape(E, -1) for x in ("gate", "up")], axis=1)
+        experts["gate"], experts["up"] = b.upload_expert_halves(
+            "gate_up", "Q8_0", both.reshape(-1), E, F, DIM)
     return MoEWeights(
         router=b.upload_matrix("r", "F32", router.view(np.uint8).reshape(-1), E, DIM),
         **experts,
@@ -264,6 +270,11 @@ def test_runs_every_protocol_method_against_the_cpu_backend(be, cpu, gemma):
     xm = rnd(rng, 12, DIM)
     got = rec.to_numpy(rec.moe_ffn(rec.from_numpy(xm.copy()), moe, spec))
     check(f"{be.name} moe_ffn", got, cpu.moe_ffn(xm.copy(), moe_r, spec), 2 * TOL_LINEAR)
+    fused = _experts(rec, fused=True)  # the halves of one stack compute what two stacks do
+    for rows in (xm[:1], xm):  # one token (decode) and a chunk
+        np.testing.assert_array_equal(
+            rec.to_numpy(rec.moe_ffn(rec.from_numpy(rows.copy()), fused, spec)),
+            rec.to_numpy(rec.moe_ffn(rec.from_numpy(rows.copy()), moe, spec)))
     # the encoders' operations (models/bert.py)
     nb = rnd(rng, DIM)
     got, want = p.both(lambda b, w, x, c: b.layer_norm(x, w.attn_norm, c, EPS), x, nb)
