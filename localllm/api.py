@@ -412,7 +412,8 @@ class Model(EmbeddingMixin):
                    parallel, context_shift) -> Generation:
         """chat() with tools: the prompt and constraint of their plan, the calls split off."""
         from localllm.generation.constrain import TokenConstraint
-        from localllm.generation.tool_use import plan, stream_calls
+        from localllm.generation.tool_stream import stream_calls
+        from localllm.generation.tool_use import plan
         if context_shift:
             raise BadSetting("context_shift cannot be combined with tools")
         p = plan(self.template.source, list(messages), {}, tools, tool_choice, parallel)

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from localllm.generation import tool_use as _plans
-from localllm.generation.tool_use import StreamSplitter
+from localllm.generation.tool_stream import StreamSplitter
 from localllm.text.tool_calls import ToolCall, ToolCallError
 from .errors import api_error
 from .runs import OutputFormat
