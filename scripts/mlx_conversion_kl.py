@@ -90,7 +90,7 @@ def main() -> int:
         for fmt in ["Q4_0"] + list(args.types):  # Q4_0: an exact format, the baseline
             dst = Path(tmp) / f"{fmt}.gguf"
             quantize(args.llama_python, src, dst, fmt)
-            exact = logits(dst, TorchBackend(device="cpu", threads=2), ids)
+            exact = logits(dst, TorchBackend(device="cpu"), ids)
             widths = args.bits or [mlx_quant.CONVERT_BITS.get(fmt, 0)]
             for bits in widths:
                 t0 = time.perf_counter()

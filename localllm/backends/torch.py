@@ -66,11 +66,10 @@ class TorchBackend(DeviceBackend):
 
     name = "torch"
 
-    def __init__(self, device: str | None = None, threads: int | None = None,
+    def __init__(self, device: str | None = None,
                  compute_dtype: torch.dtype | None = None, scratch_elems: int = SCRATCH_ELEMS):
         """Args:
             device: a torch device name; None: 'cuda' when available, else 'cpu'.
-            threads: torch's CPU threads (None: torch's default).
             compute_dtype: matmul type; None: float16 on CUDA, float32 on the CPU.
             scratch_elems: weight elements dequantized at once.
         """
@@ -81,8 +80,6 @@ class TorchBackend(DeviceBackend):
         self.device = str(self.torch_device)
         self.dtype = compute_dtype or (torch.float16 if self.torch_device.type == "cuda"
                                        else torch.float32)
-        if threads and self.torch_device.type == "cpu":
-            torch.set_num_threads(int(threads))
         self.scratch_elems = int(scratch_elems)
 
     # ---- array hooks (device.py) -----------------------------------------------------

@@ -126,7 +126,11 @@ def make_gpu_backend(name: str, threads: int) -> Backend | None:
     """The GPU backend object for a resolved name ('cpu': None)."""
     if name == "torch":
         from localllm.backends.torch import TorchBackend
-        return TorchBackend(threads=threads)
+        from .process import set_torch_threads
+        be = TorchBackend()
+        if be.device == "cpu":
+            set_torch_threads(threads)
+        return be
     if name == "mlx":
         from localllm.backends.mlx import MlxBackend
         return MlxBackend()

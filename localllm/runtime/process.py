@@ -79,6 +79,14 @@ def set_threads(n: int) -> int:
     return n
 
 
+def set_torch_threads(n: int) -> None:
+    """Set torch's CPU threads (process-wide in torch) for a torch backend on the CPU, the
+    stand-in for CUDA."""
+    import torch
+    if n:
+        torch.set_num_threads(int(n))
+
+
 def keep_scratch_memory(system: str | None = None) -> bool:
     """Keep freed blocks of up to 32 MB in the process instead of unmapping them (glibc).
 

@@ -34,7 +34,7 @@ def _backends():
     no_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
     no_mlx = pytest.mark.skipif(not has_mlx, reason="mlx is not installed")
     return [
-        pytest.param(lambda: TorchBackend(device="cpu", threads=2), id="torch", marks=no_torch),
+        pytest.param(lambda: TorchBackend(device="cpu"), id="torch", marks=no_torch),
         pytest.param(lambda: TorchBackend(device="cuda"), id="torch-cuda",
                      marks=[pytest.mark.cuda, no_torch, pytest.mark.skipif(
                          not (has_torch and cuda_available()), reason="no CUDA device")]),
