@@ -126,12 +126,21 @@ def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:
                        max(1, settings.kv_contexts), rules)
 
 
-def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None
-               ) -> tuple[MemoryPlan, Any, Backend, Backend | None]:
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model file's plan under its load settings: the memory ledger, the architecture's
+    ModelArgs, and the backends it was planned on."""
+    memory: MemoryPlan
+    args: Any
+    cpu: Backend
+    gpu: Backend | None
+
+
+def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None) -> ModelPlan:
     """The memory ledger of a model file under these settings, without loading it.
 
     Returns:
-        (MemoryPlan, the architecture's ModelArgs, the CPU backend, the GPU backend or None).
+        the ModelPlan.
     Raises:
         UnsupportedModel: an architecture or metadata this engine cannot run.
         BadSetting: bad settings (``param`` names which).
@@ -150,7 +159,7 @@ def plan_model(file: GGUFFile, settings: LoadSettings, free: dict | None = None
     gpu = make_gpu_backend(resolve_backend(settings.backend),
                            settings.threads or physical_cores())
     plan = plan_memory(file.tensors, args, cpu, gpu, plan_request(settings, ctx), free)
-    return plan, args, cpu, gpu
+    return ModelPlan(plan, args, cpu, gpu)
 
 
 def file_identity(path: Path) -> bytes:
@@ -210,7 +219,9 @@ class Model(EmbeddingMixin):
         meta = self.file.metadata
         self.metadata = meta
         _check_speculation(s)  # before any work
-        self.plan, args, self.backend, self.gpu_backend = plan_model(self.file, s)
+        planned = plan_model(self.file, s)
+        self.plan, args = planned.memory, planned.args
+        self.backend, self.gpu_backend = planned.cpu, planned.gpu
         ctx = self.plan.ctx
         placement = self.plan.placement()
         self.backends = placement.backends()

@@ -321,7 +321,7 @@ def cmd_inspect(args) -> int:
                                 models_dir=args.models_dir, **split_settings(args))
         _configure(0)  # the plan packs a tile of each format to measure it
         with GGUFFile(path) as f:
-            print(f"{path.name}:\n{plan_model(f, settings)[0].format()}")
+            print(f"{path.name}:\n{plan_model(f, settings).memory.format()}")
         return 0
     print(format_description(path, _describe(path), show_all=args.all))
     return 0

@@ -212,7 +212,7 @@ def test_ledger_of_the_cpu_backend_and_a_refused_split(smollm_path, gemma_path):
     from localllm.formats.gguf import GGUFFile
     pytest.importorskip("torch")
     with GGUFFile(smollm_path) as f:
-        plan, *_ = plan_model(f, LoadSettings(backend="torch", gpu_layers="all"))
+        plan = plan_model(f, LoadSettings(backend="torch", gpu_layers="all")).memory
         assert plan.gpu_layers == 30
         free = {"host": 64 << 20}
         with pytest.raises(EngineError, match=r"not enough memory: .* GiB of its own for "

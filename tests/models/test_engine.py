@@ -199,14 +199,14 @@ def test_model_too_big_for_memory_is_refused_before_loading(smollm_path):
 
     settings = LoadSettings(ctx_size=4096, backend="cpu")
     with GGUFFile(smollm_path) as f:
-        plan, *_ = plan_model(f, settings)
+        plan = plan_model(f, settings).memory
         cpu = plan.devices[0]
         # tied output: every tensor is packed (Q4_1 and Q8_0 keep their size); f16 K and V
         # for 30 layers x 3 heads x 64
         assert cpu.weight_bytes == sum(t.nbytes for t in f.tensors.values())
         assert 4096 * cpu.kv_per_token == 2 * 2 * 30 * 3 * 64 * 4096
         need = cpu.weight_bytes + 4096 * cpu.kv_per_token + cpu.scratch_bytes
-        assert plan_model(f, settings, free={"host": need})[0].pool_tokens == 4096
+        assert plan_model(f, settings, free={"host": need}).memory.pool_tokens == 4096
         with pytest.raises(EngineError, match="not enough memory"):
             plan_model(f, settings, free={"host": need - 1})
     # a 100M-token KV cache (2 TiB) is refused with the sizes, not an allocation failure

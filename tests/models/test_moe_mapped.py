@@ -114,13 +114,13 @@ def test_a_model_whose_own_memory_does_not_fit_is_refused_naming_the_numbers(moe
 
     settings = LoadSettings(ctx_size=256, backend="cpu")
     with GGUFFile(moe_file) as f:
-        plan, *_ = plan_model(f, settings)
+        plan = plan_model(f, settings).memory
         cpu = plan.devices[0]
         need = cpu.weight_bytes + 256 * cpu.kv_per_token + cpu.scratch_bytes
         assert cpu.file_bytes >= cpu.expert_bytes > 0
         # the file's pages need not fit beside the anonymous memory (they are page cache):
         # this much is free, less than the experts would take as copies beside the rest
-        assert plan_model(f, settings, free={"host": need})[0].pool_tokens == 256
+        assert plan_model(f, settings, free={"host": need}).memory.pool_tokens == 256
         with pytest.raises(NotEnoughMemory) as err:
             plan_model(f, settings, free={"host": need - 1})
         msg = str(err.value)
