@@ -7,37 +7,21 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from localllm.errors import LocalLLMError
+
+from .tool_formats import (JSONArguments, ToolCall, args_text, arguments_value, command_r7b_text,
+                           deepseek_text, functionary_v32_text, json_at, parse_command_r7b,
+                           parse_deepseek, parse_functionary_v32)
 
 
 class ToolCallError(LocalLLMError, ValueError):
     """Tool definitions or a tool_choice that cannot be used."""
 
 
-@dataclass
-class ToolCall:
-    """One call of a function: ``arguments`` is a JSON text, as OpenAI's API carries it."""
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
-
-    def as_openai(self) -> dict:
-        """The call as an assistant message's ``tool_calls`` item."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def _args_text(v) -> str:
-    if isinstance(v, str):
-        try:
-            json.loads(v)
-            return v
-        except ValueError:
-            return json.dumps(v)
-    return json.dumps(v if v is not None else {}, ensure_ascii=False)
+# the shared record and JSON helpers live with the per-family syntaxes (tool_formats)
+_args_text, _arguments_value, _json_at = args_text, arguments_value, json_at
 
 
 def _call_of(obj, args_keys=("arguments", "parameters")) -> ToolCall | None:
@@ -53,19 +37,6 @@ def _call_of(obj, args_keys=("arguments", "parameters")) -> ToolCall | None:
     return ToolCall(obj["name"], "{}")
 
 
-_decoder = json.JSONDecoder()
-
-
-def _json_at(text: str, pos: int):
-    """(value, end) of the JSON value starting at text[pos:] (after blanks), or (None, pos)."""
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    try:
-        return _decoder.raw_decode(text, pos)
-    except ValueError:
-        return None, pos
-
-
 # ----------------------------------------------------------------------------- formats
 
 @dataclass(frozen=True)
@@ -77,6 +48,15 @@ class ToolFormat:
     prefix / suffix: literal text around one call's JSON body.
     args_key: the body's key for the arguments ("arguments" or "parameters").
     as_list: whether the body is a JSON list of calls (Mistral Nemo) rather than one object.
+    name_key: the body's key for the function's name (Command R7B: "tool_name").
+    id_key: a key the body also carries, the call's id as a string (Command R7B), or None.
+    name_sep: None when the name is inside the JSON body; else the name is written as text
+        and a call is prefix + NAME + name_sep + ARGUMENTS_JSON + suffix (DeepSeek,
+        Functionary v3.2, harmony, and Mistral Small 3.2's "[ARGS]").
+    block_open / block_close: text written once around all of one answer's calls, the
+        calls (each prefix ... suffix) between (DeepSeek's <｜tool▁calls▁begin｜>).
+    starts_open: the generation prompt already ends with the trigger, so the output opens
+        inside the first call's prefix (Functionary v3.2's ">>>", before even plain text).
     """
     name: str
     trigger: str
@@ -84,6 +64,12 @@ class ToolFormat:
     suffix: str
     args_key: str = "arguments"
     as_list: bool = False
+    name_key: str = "name"
+    id_key: str | None = None
+    name_sep: str | None = None
+    block_open: str = ""
+    block_close: str = ""
+    starts_open: bool = False
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """Split output text into its content and the tool calls in it.
@@ -103,16 +89,18 @@ class ToolFormat:
             tools: OpenAI tool definitions.
             name: only this function (a named tool_choice).
         Returns:
-            a schema: anyOf over the functions of {"name": const, <args_key>: parameters}.
+            a schema: anyOf over the functions of {<name_key>: const, <args_key>: parameters}
+            (with <id_key> first where the format has one).
         """
         alts = []
         for f in functions(tools):
             if name is not None and f["name"] != name:
                 continue
             params = f.get("parameters") or {"type": "object"}
-            alts.append({"type": "object",
-                         "properties": {"name": {"const": f["name"]}, self.args_key: params},
-                         "required": ["name", self.args_key], "additionalProperties": False})
+            props = {self.id_key: {"type": "string"}} if self.id_key else {}
+            props.update({self.name_key: {"const": f["name"]}, self.args_key: params})
+            alts.append({"type": "object", "properties": props,
+                         "required": list(props), "additionalProperties": False})
         if not alts:
             raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools")
         return alts[0] if len(alts) == 1 else {"anyOf": alts}
@@ -171,9 +159,12 @@ def _parse_mistral(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
         if calls and all(calls):
             return (text[:start] + rest[end:]).strip(), calls
         return text, []
-    calls, pos = [], 0   # Small 3.2: name[ARGS]{...}, repeated after [TOOL_CALLS]
+    # Small 3.2: name[ARGS]{...} (its history: name[CALL_ID]id[ARGS]{...}), repeated after
+    # [TOOL_CALLS]
+    calls, pos = [], 0
     while True:
-        m = re.match(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\[ARGS\]", rest[pos:])
+        m = re.match(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?"
+                     r"\[ARGS\]", rest[pos:])
         if not m:
             break
         value, end = _json_at(rest, pos + m.end())
@@ -230,7 +221,8 @@ def _parse_harmony(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
     channel) are calls; with calls, the content is the answer's text (the final and plain
     commentary channels, reasoning apart); without, the text is left as it is."""
     from .reasoning import ReasoningSplitter
-    sp = ReasoningSplitter("harmony")
+    # the output follows the prompt's <|start|>assistant, so it may open with " to=NAME"
+    sp = ReasoningSplitter("harmony", "<|start|>assistant")
     parts = sp.feed(text) + sp.finish()
     calls = [c for c in (harmony_call(p.name, p.text) for p in parts if p.kind == "tool_call")
              if c is not None]
@@ -240,18 +232,44 @@ def _parse_harmony(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall]]:
 
 
 _PARSERS = {"hermes": _parse_tagged, "llama3": _parse_llama3, "mistral": _parse_mistral,
-            "mistral_nemo": _parse_tagged, "generic": _parse_generic, "harmony": _parse_harmony}
+            "mistral_nemo": _parse_tagged, "generic": _parse_generic, "harmony": _parse_harmony,
+            "deepseek_r1": parse_deepseek, "deepseek_v31": parse_deepseek,
+            "command_r7b": parse_command_r7b, "functionary_v32": parse_functionary_v32,
+            "granite": _parse_tagged}
 
 HERMES = ToolFormat("hermes", "<tool_call>", "<tool_call>\n", "\n</tool_call>")
 LLAMA3 = ToolFormat("llama3", "{", "", "", args_key="parameters")
 MISTRAL_NEMO = ToolFormat("mistral_nemo", "[TOOL_CALLS]", "[TOOL_CALLS]", "", as_list=True)
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", "")
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", "", name_sep="[ARGS]")
 GENERIC = ToolFormat("generic", "", "", "")
 # gpt-oss: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>.
 # Raw output opens with a channel, so a stream of it is held whole (split by channel, as
 # the server does by default, the answer's text has no markers and streams as it comes).
-HARMONY = ToolFormat("harmony", "<|channel|>", "<|channel|>commentary to=functions.", "<|call|>")
-FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC, HARMONY)}
+HARMONY = ToolFormat("harmony", "<|channel|>", "<|channel|>commentary to=functions.", "<|call|>",
+                     name_sep=" <|constrain|>json<|message|>")
+# DeepSeek R1 and V3 (and R1's distills): <｜tool▁calls▁begin｜>, then per call
+# <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>
+# (a newline between calls), then <｜tool▁calls▁end｜>. V3.1 drops the type and the fence:
+# <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>.
+DEEPSEEK_R1 = ToolFormat("deepseek_r1", "<｜tool▁calls▁begin｜>",
+                         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```<｜tool▁call▁end｜>",
+                         name_sep="\n```json\n", block_open="<｜tool▁calls▁begin｜>",
+                         block_close="<｜tool▁calls▁end｜>")
+DEEPSEEK_V31 = ToolFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                          "<｜tool▁call▁end｜>", name_sep="<｜tool▁sep｜>",
+                          block_open="<｜tool▁calls▁begin｜>", block_close="<｜tool▁calls▁end｜>")
+# Command R7B: <|START_ACTION|>[{"tool_call_id": "0", "tool_name": .., "parameters": ..}]
+# <|END_ACTION|>, after an optional <|START_THINKING|> plan.
+COMMAND_R7B = ToolFormat("command_r7b", "<|START_ACTION|>", "<|START_ACTION|>", "<|END_ACTION|>",
+                         args_key="parameters", as_list=True, name_key="tool_name",
+                         id_key="tool_call_id")
+# Functionary v3.2: >>>NAME\n{...} per call, >>>all\n for text; the prompt ends with ">>>".
+FUNCTIONARY_V32 = ToolFormat("functionary_v32", ">>>", ">>>", "", name_sep="\n",
+                             starts_open=True)
+# Granite 3.x: <|tool_call|>[{"name": .., "arguments": ..}, ...] (Granite 4 writes Hermes').
+GRANITE = ToolFormat("granite", "<|tool_call|>", "<|tool_call|>", "", as_list=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC, HARMONY,
+                               DEEPSEEK_R1, DEEPSEEK_V31, COMMAND_R7B, FUNCTIONARY_V32, GRANITE)}
 
 
 def detect_format(template_source: str | None) -> ToolFormat:
@@ -273,6 +291,15 @@ def detect_format(template_source: str | None) -> ToolFormat:
         return MISTRAL if "[ARGS]" in src else MISTRAL_NEMO
     if "<|python_tag|>" in src or ("<|start_header_id|>" in src and '"parameters"' in src):
         return LLAMA3
+    # Families found after the ones above, so that no template they match changes format.
+    if "tool▁sep" in src:   # V3.2 / V4 write DSML instead and have no tool▁sep
+        return DEEPSEEK_R1 if "```json" in src else DEEPSEEK_V31
+    if "<|START_ACTION|>" in src and "<|START_TEXT|>" not in src:   # not Cohere2's MoE
+        return COMMAND_R7B
+    if ">>>all" in src:
+        return FUNCTIONARY_V32
+    if "<|tool_call|>" in src:
+        return GRANITE
     return GENERIC
 
 
@@ -354,21 +381,27 @@ def _short_id(call_id: str) -> str:
 
 def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> list[dict]:
     """Messages as chat templates read them: an assistant call's arguments become a mapping
-    (templates do ``arguments | tojson`` or iterate ``arguments.items()``), with each call's
-    function fields also at its top level (templates differ in which they read).
+    (templates do ``arguments | tojson`` or iterate ``arguments.items()``; joined to a string
+    it is its JSON text), with each call's function fields also at its top level (templates
+    differ in which they read).
 
     Args:
         messages: OpenAI-shaped messages (tool_calls with JSON-text arguments).
-        fmt: the template's format; Mistral's get call ids of 9 letters or digits.
+        fmt: the template's format; Mistral's get call ids of 9 letters or digits, and
+            DeepSeek's a null content beside calls (R1-Distill-Llama writes its calls only
+            when the content ``is none``).
     Returns:
         new messages; the given ones are not changed.
     """
     short = fmt is not None and fmt.name.startswith("mistral")
+    null_content = fmt is not None and fmt.name.startswith("deepseek")
     out = []
     for m in messages:
         if short and m.get("tool_call_id") is not None:
             m = {**m, "tool_call_id": _short_id(str(m["tool_call_id"]))}
         calls = m.get("tool_calls")
+        if calls and null_content and not m.get("content"):
+            m = {**m, "content": None}
         if calls:
             fixed = []
             for c in calls:
@@ -376,6 +409,8 @@ def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> li
                 args = f.get("arguments")
                 if isinstance(args, str):
                     f["arguments"] = _arguments_value(args)
+                if isinstance(f.get("arguments"), dict):
+                    f["arguments"] = JSONArguments(f["arguments"])
                 if short and c.get("id") is not None:
                     c = {**c, "id": _short_id(str(c["id"]))}
                 fixed.append({**c, "function": f, "name": f.get("name"),
@@ -383,17 +418,6 @@ def template_messages(messages: list[dict], fmt: ToolFormat | None = None) -> li
             m = {**m, "tool_calls": fixed}
         out.append(m)
     return out
-
-
-def _arguments_value(arguments: str):
-    """A call's arguments as a JSON value: a client's history may hold any string there (empty
-    is no arguments; text that is not JSON is kept as the string it is)."""
-    if not arguments.strip():
-        return {}
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 def canonical_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
@@ -407,6 +431,12 @@ def canonical_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
         return "<|start|>assistant".join(
             f"<|channel|>commentary to=functions.{c.name} <|constrain|>json<|message|>"
             f"{json.dumps(_arguments_value(c.arguments))}<|call|>" for c in calls)
+    if fmt.name in ("deepseek_r1", "deepseek_v31"):
+        return deepseek_text(calls, fenced=fmt.name == "deepseek_r1")
+    if fmt.name == "command_r7b":
+        return command_r7b_text(calls)
+    if fmt.name == "functionary_v32":   # after the prompt's first ">>>"
+        return functionary_v32_text(calls)
     bodies = [{"name": c.name, fmt.args_key: _arguments_value(c.arguments)} for c in calls]
     if fmt.as_list:
         return fmt.prefix + json.dumps(bodies)

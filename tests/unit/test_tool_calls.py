@@ -9,9 +9,12 @@ import pytest
 
 from localllm.apps.server.tool_use import StreamSplitter, ToolPlan, plan
 from localllm.text.reasoning import split_reasoning
-from localllm.text.tool_calls import (GENERIC, HARMONY, HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO,
-                                      ToolCall, ToolCallError, canonical_text, detect_format,
-                                      functions, generic_schema)
+from localllm.text.chat_template import ChatTemplate
+from localllm.text.tool_calls import (COMMAND_R7B, DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32,
+                                      GENERIC, GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL,
+                                      MISTRAL_NEMO, ToolCall, ToolCallError, canonical_text,
+                                      detect_format, functions, generic_schema,
+                                      template_messages)
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
@@ -154,3 +157,87 @@ def test_harmony_plan_and_stream():
     assert content == "Let me look." and pairs(calls) == [("get_weather", {"city": "Rome"})]
     # without tools in the request, the parts are not calls
     assert ToolPlan(None, []).split("x", parts) == ("x", [])
+
+
+# ----------------------------------------------------------------------------- families
+
+FAMILIES = [DEEPSEEK_R1, DEEPSEEK_V31, COMMAND_R7B, FUNCTIONARY_V32, GRANITE]
+TWO = [ToolCall("get_weather", '{"city": "Paris"}'),
+       ToolCall("f", '{"x": [1, {"y": "\\u00e9"}], "z": null}')]
+
+
+@pytest.mark.parametrize("fmt", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [1, 2])
+def test_family_round_trip(fmt, n):
+    content, calls = fmt.parse(canonical_text(fmt, TWO[:n]))
+    assert content == "" and pairs(calls) == pairs(TWO[:n])
+
+
+def test_family_content_around_calls():
+    r1 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n"
+          '```json\n{"x": 1}```<｜tool▁call▁end｜><｜tool▁calls▁end｜> Done?')
+    assert DEEPSEEK_R1.parse(r1)[0] == "Let me check. Done?"
+    assert pairs(DEEPSEEK_R1.parse(r1)[1]) == [("f", {"x": 1})]
+    v31 = ("CONTENT<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"x\": 1}"
+           "<｜tool▁call▁end｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+           "<｜tool▁calls▁end｜>")
+    assert DEEPSEEK_V31.parse(v31)[0] == "CONTENT"
+    assert pairs(DEEPSEEK_V31.parse(v31)[1]) == [("f", {"x": 1}), ("g", {})]
+    r7b = ('<|START_THINKING|>I will call f.<|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id":'
+           ' "0", "tool_name": "f", "parameters": {"x": 1}}\n]<|END_ACTION|>')
+    content, calls = COMMAND_R7B.parse(r7b)
+    assert content == "<|START_THINKING|>I will call f.<|END_THINKING|>"
+    assert pairs(calls) == [("f", {"x": 1})]
+    assert COMMAND_R7B.parse("<|START_RESPONSE|>Hi there.<|END_RESPONSE|>") == ("Hi there.", [])
+    fn = 'all\nLet me check.\n>>>f\n{"x": 1}\n>>>g\n{}'
+    assert FUNCTIONARY_V32.parse(fn)[0] == "Let me check."
+    assert pairs(FUNCTIONARY_V32.parse(fn)[1]) == [("f", {"x": 1}), ("g", {})]
+    assert FUNCTIONARY_V32.parse("all\nHello, world!\n>>> print(1)") == \
+        ("Hello, world!\n>>> print(1)", [])
+    gr = 'Sure.<|tool_call|>[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
+    assert GRANITE.parse(gr)[0] == "Sure."
+    assert pairs(GRANITE.parse(gr)[1]) == [("f", {"x": 1}), ("g", {})]
+
+
+@pytest.mark.parametrize("text", [
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"x\": ",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁begin｜>",
+    '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "param',
+    '<|START_ACTION|>[{"name": "f"}]<|END_ACTION|>',
+    "f\nnot json", "all", "no recipient line at all", ">>>f\n{\"x\": ",
+    '<|tool_call|>[{"name": "f", "argu', "<|tool_call|>[1, 2]",
+])
+def test_family_malformed_text_stays_content(text):
+    for fmt in FAMILIES:
+        assert fmt.parse(text) == (text, []), fmt.name
+
+
+def test_family_detection_keeps_earlier_families():
+    r1 = "{% for tool in message['tool_calls'] %}<｜tool▁sep｜>```json{% endfor %}"
+    assert detect_format(r1) is DEEPSEEK_R1
+    assert detect_format("{% if message['tool_calls'] %}<｜tool▁sep｜>{% endif %}") is DEEPSEEK_V31
+    assert detect_format("{% if tools %}<|START_ACTION|>{% endif %}") is COMMAND_R7B
+    assert detect_format("{% if tools %}<|START_TEXT|><|START_ACTION|>{% endif %}") is GENERIC
+    assert detect_format("{% if tools %}>>>all\n{% endif %}") is FUNCTIONARY_V32
+    assert detect_format("{% if tools %}<|tool_call|>{% endif %}") is GRANITE
+    assert detect_format("{% if tools %}<tool_call><|tool_call|>{% endif %}") is HERMES
+
+
+def test_history_arguments_join_strings_as_json():
+    # Functionary v3.2's and R1-Distill-Llama's templates write '...' + arguments
+    src = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+           "{{ '>>>' + c.function.name + '\\n' + c.function.arguments }}"
+           "|{{ c.arguments | tojson }}|{{ c.arguments.x }}{% endfor %}"
+           "{% if m.content is none %}(none){% endif %}{% endfor %}")
+    call = ToolCall("f", '{"x": 1}').as_openai()
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    t = ChatTemplate(src, "t")
+    assert t.render(template_messages(msgs, FUNCTIONARY_V32), False) == '>>>f\n{"x": 1}|{"x": 1}|1'
+    assert t.render(template_messages(msgs, DEEPSEEK_R1), False).endswith("(none)")
+
+
+def test_command_r7b_body_schema_names_its_keys():
+    s = COMMAND_R7B.body_schema(TOOLS)
+    assert list(s["properties"]) == ["tool_call_id", "tool_name", "parameters"]
+    assert s["required"] == ["tool_call_id", "tool_name", "parameters"]
