@@ -241,3 +241,49 @@ def test_command_r7b_body_schema_names_its_keys():
     s = COMMAND_R7B.body_schema(TOOLS)
     assert list(s["properties"]) == ["tool_call_id", "tool_name", "parameters"]
     assert s["required"] == ["tool_call_id", "tool_name", "parameters"]
+
+
+def _streamed(fmt, text: str, cut: int):
+    from localllm.generation.tool_stream import CallArgs, CallStart
+    sp = StreamSplitter(ToolPlan(fmt, []))
+    shown, events = "", []
+    for i in range(0, len(text), cut):
+        shown += sp.feed(text[i:i + cut])
+        events += sp.take()
+    rest, calls = sp.finish()
+    events += sp.take()
+    starts = [e for e in events if isinstance(e, CallStart)]
+    args = ["".join(e.fragment for e in events if isinstance(e, CallArgs) and e.index == i)
+            for i in range(len(starts))]
+    pieces = sum(isinstance(e, CallArgs) for e in events)
+    return shown + rest, calls, starts, args, pieces
+
+
+def test_calls_stream_in_fragments_that_add_up_in_every_format():
+    from localllm.text.tool_calls import FORMATS, ToolCall, canonical_text
+    calls = [ToolCall("get_weather", json.dumps(
+        {"city": 'Pa"ris é \\u', "unit": "c", "n": [1.5, -2e3, True, None, {}],
+         "x": "\U0001F600"}, ensure_ascii=False)), ToolCall("get_time", '{"zone": 10}')]
+    for name in ("hermes", "llama3", "mistral_nemo", "mistral", "generic"):
+        fmt = FORMATS[name]
+        text = canonical_text(fmt, calls)
+        for t in (text, text.replace(", ", ",").replace(": ", ":"),   # compact JSON
+                  text.replace("\\ud83d\\ude00", "\U0001F600")):
+            want = fmt.parse(t)[1]
+            for cut in (1, 2, 5, len(t)):
+                content, got, starts, args, pieces = _streamed(fmt, t, cut)
+                assert content == "" and [c.name for c in got] == [c.name for c in want]
+                # each call once, with the id its final form keeps, and fragments that
+                # make exactly the arguments the whole text parses to
+                assert [(s.id, s.name) for s in starts] == [(c.id, c.name) for c in got]
+                assert args == [c.arguments for c in want] == [c.arguments for c in got]
+                if cut == 1:
+                    assert pieces > 20, name
+
+
+def test_text_that_is_no_call_still_streams_as_content():
+    for fmt, text in ((HERMES, "hi <tool_call> not json"), (GENERIC, '{"response": "hey"}'),
+                      (HERMES, '<tool_call>{"name": 3}')):
+        content, calls, starts, _, _ = _streamed(fmt, text, 2)
+        assert calls == [] and starts == []
+        assert content == ("hey" if fmt is GENERIC else text)
