@@ -17,7 +17,8 @@ from .common import ServerState, event_stream, new_id, respond, sse
 from .errors import APIError, anthropic_error_body, api_error
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started
 from .schemas import MAX_STOP, SamplingFields, template_message
-from .tool_use import StreamSplitter, ToolPlan, arguments_json, plan
+from .tool_use import (CallArgs, CallDone, CallStart, StreamSplitter, ToolPlan, arguments_json,
+                       plan)
 
 router = APIRouter()
 
@@ -183,9 +184,14 @@ def _template_messages(chat: dict) -> list[dict]:
     return out
 
 
+def _tool_use_id(call_id: str) -> str:
+    """A call's id in Anthropic's toolu_ form."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _tool_use_block(call) -> dict:
-    """A call as a tool_use content block (its id in Anthropic's toolu_ form)."""
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+    """A call as a tool_use content block."""
+    return {"type": "tool_use", "id": _tool_use_id(call.id),
             "name": call.name, "input": arguments_json(call)}
 
 
@@ -250,20 +256,27 @@ class _Blocks:
                        "content_block_delta"))
         return out
 
-    def tool_use(self, call) -> list[str]:
-        """A whole call as its own block: started with an empty input, its arguments as one
-        input_json_delta, then stopped."""
-        out = self.close()
-        self.index += 1
-        block = {**_tool_use_block(call), "input": {}}
-        out.append(sse({"type": "content_block_start", "index": self.index,
-                        "content_block": block}, "content_block_start"))
-        out += self.ping()
-        out.append(sse({"type": "content_block_delta", "index": self.index,
-                        "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
-                       "content_block_delta"))
-        out.append(sse({"type": "content_block_stop", "index": self.index},
-                       "content_block_stop"))
+    def calls(self, events: list) -> list[str]:
+        """A StreamSplitter's call events as tool_use blocks: started with an empty input
+        once the name is known, the arguments as input_json_deltas, stopped when done."""
+        out = []
+        for ev in events:
+            if isinstance(ev, CallStart):
+                out += self.close()
+                self.index += 1
+                self.kind = "tool_use"
+                block = {"type": "tool_use", "id": _tool_use_id(ev.id), "name": ev.name,
+                         "input": {}}
+                out.append(sse({"type": "content_block_start", "index": self.index,
+                                "content_block": block}, "content_block_start"))
+                out += self.ping()
+            elif isinstance(ev, CallArgs):
+                out.append(sse({"type": "content_block_delta", "index": self.index,
+                                "delta": {"type": "input_json_delta",
+                                          "partial_json": ev.fragment}},
+                               "content_block_delta"))
+            elif isinstance(ev, CallDone):
+                out += self.close()
         return out
 
     def ping(self) -> list[str]:
@@ -300,12 +313,17 @@ def _stream(first: Event, job, head: dict, tools: ToolPlan):
         if isinstance(ev, Piece):
             out = blocks.text("thinking", ev.reasoning) if ev.reasoning else []
             text = split.feed(ev.text, ev.tool_calls) if ev.text or ev.tool_calls else ""
-            return out + (blocks.text("text", text) if text else [])
+            out += blocks.text("text", text) if text else []
+            return out + blocks.calls(split.take())
         if isinstance(ev, Finished):
+            began = bool(split.started)
             rest, calls = split.finish()
-            out = blocks.text("text", rest) if rest else []
-            for c in calls:
-                out += blocks.tool_use(c)
+            if began:   # the calls' blocks are open or done: finish them, then the text
+                out = blocks.calls(split.take()) + blocks.close()
+                out += blocks.text("text", rest) if rest else []
+            else:
+                out = blocks.text("text", rest) if rest else []
+                out += blocks.calls(split.take())
             out += blocks.close() + blocks.ping()
             reason, seq = _stop_reason(ev, bool(calls))
             return out + [sse({"type": "message_delta",

@@ -133,20 +133,21 @@ def _chat_stream(first: Event, job, head: dict, n: int, logprobs: bool, include_
             return [chunk(ev.index, {"role": "assistant", "content": ""})]
         if isinstance(ev, Piece):
             out = [chunk(ev.index, {"reasoning_content": ev.reasoning})] if ev.reasoning else []
-            text = ev.text
+            text, calls = ev.text, []
             if tools is not None:
-                text = splitters.setdefault(ev.index, StreamSplitter(tools)).feed(
-                    ev.text, ev.tool_calls)
+                split = splitters.setdefault(ev.index, StreamSplitter(tools))
+                text, calls = split.feed(ev.text, ev.tool_calls), split.take()
             if text or ev.logprobs:
                 out.append(chunk(ev.index, {"content": text}, lps=ev.logprobs))
-            return out
+            return out + [chunk(ev.index, d) for d in call_deltas(calls)]
         if isinstance(ev, Finished):
             out, finish = [], ev.finish_reason
             if tools is not None:
-                rest, calls = splitters.setdefault(ev.index, StreamSplitter(tools)).finish()
+                split = splitters.setdefault(ev.index, StreamSplitter(tools))
+                rest, calls = split.finish()
                 if rest:
                     out.append(chunk(ev.index, {"content": rest}))
-                out += [chunk(ev.index, d) for d in call_deltas(calls)]
+                out += [chunk(ev.index, d) for d in call_deltas(split.take())]
                 if calls and finish == "stop":
                     finish = "tool_calls"
             return out + [chunk(ev.index, {}, finish)]

@@ -9,12 +9,14 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
+from localllm.text.tool_calls import ToolCall
+
 from .common import (ServerState, StoredResponse, event_stream, logprob_items, new_id,
                      output_format, respond, sse)
 from .errors import APIError
 from .runs import Event, Failed, Finished, GenerationSpec, Piece, Prompt, Started, Usage
 from .schemas import ResponsesRequest
-from .tool_use import StreamSplitter, ToolPlan, plan
+from .tool_use import CallArgs, CallDone, CallStart, StreamSplitter, ToolPlan, plan
 
 router = APIRouter()
 
@@ -71,7 +73,6 @@ class _Turn:
             text = "".join(self.text)
             self.content, self.calls = (self.tools.split(text, self.parts) if self.tools
                                         else (text, []))
-            self.call_ids = [new_id("fc_") for _ in self.calls]
 
     # ---- the objects of the API -----------------------------------------------------
 
@@ -95,18 +96,27 @@ class _Turn:
     def call_item(self, i: int, status: str) -> dict:
         """Call i as a function_call output item (no arguments yet while in progress)."""
         c = self.calls[i]
-        return {"type": "function_call", "id": self.call_ids[i], "call_id": c.id,
+        return {"type": "function_call", "id": self.call_id(i), "call_id": c.id,
                 "name": c.name, "arguments": c.arguments if status != "in_progress" else "",
                 "status": status}
+
+    def call_id(self, i: int) -> str:
+        """The output item id of call i (made when it is first asked for)."""
+        while len(self.call_ids) <= i:
+            self.call_ids.append(new_id("fc_"))
+        return self.call_ids[i]
 
     def has_message(self) -> bool:
         """Whether the output has a message item (not for calls alone)."""
         return bool(self.content) or not self.calls or "message" in self.shown
 
     def outputs(self, status: str) -> list[dict]:
-        items = [self.reasoning_item(status)] if "".join(self.reasoning) else []
-        items += [self.item(status)] if self.has_message() else []
-        return items + [self.call_item(i, status) for i in range(len(self.calls))]
+        items = [("reasoning", self.reasoning_item(status))] if "".join(self.reasoning) else []
+        items += [("message", self.item(status))] if self.has_message() else []
+        items += [(f"call{i}", self.call_item(i, status)) for i in range(len(self.calls))]
+        # streamed, the items keep the order in which they began
+        items.sort(key=lambda k: self.shown.index(k[0]) if k[0] in self.shown else len(items))
+        return [item for _, item in items]
 
     def status(self) -> str:
         if self.finish is None:
@@ -226,11 +236,12 @@ def _render(turn: _Turn, ev: Event) -> list[str]:
             out.append(turn.event("response.output_text.delta", **_where(turn, "message"),
                                   delta=text,
                                   logprobs=logprob_items(ev.logprobs) if turn.logprobs else []))
-        return out
+        return out + (_call_events(turn, turn.splitter.take()) if turn.splitter else [])
     if isinstance(ev, Finished):
-        rest = turn.splitter.finish()[0] if turn.splitter else ""
+        rest, calls = turn.splitter.finish() if turn.splitter else ("", [])
+        turn.calls = calls if turn.splitter else turn.calls   # with the ids their events had
         turn.store()
-        out = []
+        out = _call_events(turn, turn.splitter.take()) if turn.splitter else []
         if rest:
             out += _begin_message(turn)
             out.append(turn.event("response.output_text.delta", **_where(turn, "message"),
@@ -245,8 +256,6 @@ def _render(turn: _Turn, ev: Event) -> list[str]:
                     turn.event("response.content_part.done", **where, part=part),
                     turn.event("response.output_item.done", output_index=where["output_index"],
                                item=turn.item(turn.status()))]
-        for i in range(len(turn.calls)):
-            out += _call_events(turn, i)
         return out + [turn.event(final, response=turn.response())]
     if isinstance(ev, Failed):  # after the stream began: an error event ends it
         e = ev.error.body()["error"]
@@ -254,17 +263,30 @@ def _render(turn: _Turn, ev: Event) -> list[str]:
     return []
 
 
-def _call_events(turn: _Turn, i: int) -> list[str]:
-    """A function_call item's events: added, its arguments (one delta), done."""
-    turn.shown.append(f"call{i}")
-    at = {"item_id": turn.call_ids[i], "output_index": turn.shown.index(f"call{i}")}
-    args = turn.calls[i].arguments
-    return [turn.event("response.output_item.added", output_index=at["output_index"],
-                       item=turn.call_item(i, "in_progress")),
-            turn.event("response.function_call_arguments.delta", **at, delta=args),
-            turn.event("response.function_call_arguments.done", **at, arguments=args),
-            turn.event("response.output_item.done", output_index=at["output_index"],
-                       item=turn.call_item(i, "completed"))]
+def _call_events(turn: _Turn, events: list) -> list[str]:
+    """The events of function_call items from a StreamSplitter's call events: the item added
+    when its name is known, its arguments in deltas, then done."""
+    out = []
+    for ev in events:
+        if isinstance(ev, CallStart):
+            turn.shown.append(f"call{ev.index}")
+            if ev.index >= len(turn.calls):
+                turn.calls.append(ToolCall(ev.name, "", ev.id))
+        at = {"item_id": turn.call_id(ev.index),
+              "output_index": turn.shown.index(f"call{ev.index}")}
+        if isinstance(ev, CallStart):
+            out.append(turn.event("response.output_item.added", output_index=at["output_index"],
+                                  item=turn.call_item(ev.index, "in_progress")))
+        elif isinstance(ev, CallArgs):
+            out.append(turn.event("response.function_call_arguments.delta", **at,
+                                  delta=ev.fragment))
+        elif isinstance(ev, CallDone):
+            turn.calls[ev.index] = ev.call
+            out += [turn.event("response.function_call_arguments.done", **at,
+                               arguments=ev.call.arguments),
+                    turn.event("response.output_item.done", output_index=at["output_index"],
+                               item=turn.call_item(ev.index, "completed"))]
+    return out
 
 
 def _where(turn: _Turn, kind: str) -> dict:

@@ -8,12 +8,13 @@ import json
 from dataclasses import dataclass
 
 from localllm.generation import tool_use as _plans
-from localllm.generation.tool_stream import StreamSplitter
+from localllm.generation.tool_stream import CallArgs, CallDone, CallStart, StreamSplitter
 from localllm.text.tool_calls import ToolCall, ToolCallError
 from .errors import api_error
 from .runs import OutputFormat
 
-__all__ = ["ToolPlan", "StreamSplitter", "plan", "call_deltas", "arguments_json"]
+__all__ = ["ToolPlan", "StreamSplitter", "CallStart", "CallArgs", "CallDone", "plan",
+           "call_deltas", "arguments_json"]
 
 
 @dataclass
@@ -45,14 +46,17 @@ def plan(template_source: str, messages: list[dict], template_kwargs: dict, tool
     return ToolPlan(p.fmt, p.messages, p.template_kwargs, p.schema)
 
 
-def call_deltas(calls: list[ToolCall]) -> list[dict]:
-    """Stream deltas of calls as OpenAI sends them: the first of each call with its index, id,
-    type, name and empty arguments, the next with the arguments."""
+def call_deltas(events) -> list[dict]:
+    """Stream deltas of a StreamSplitter's call events as OpenAI sends them: a call's first
+    with its index, id, type, name and empty arguments, the next with argument fragments."""
     out = []
-    for i, c in enumerate(calls):
-        out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                    "function": {"name": c.name, "arguments": ""}}]})
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+    for ev in events:
+        if isinstance(ev, CallStart):
+            out.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                        "function": {"name": ev.name, "arguments": ""}}]})
+        elif isinstance(ev, CallArgs):
+            out.append({"tool_calls": [{"index": ev.index,
+                                        "function": {"arguments": ev.fragment}}]})
     return out
 
 
