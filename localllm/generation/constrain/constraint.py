@@ -95,6 +95,32 @@ class TokenConstraint:
         sh.levels[0] = self._state
         return sh.run(kg.walk_bytes, sh.levels, data) == 1
 
+    def _walk_text(self, data: bytes) -> tuple | None:
+        """Returns: the state after ``data`` (any length, walked a scratch-level's worth at a
+        time) from the current state, or None where the grammar refuses it."""
+        sh, state = self._sh, self._state
+        buf = np.frombuffer(data, np.uint8)
+        step = sh.levels.shape[0] - 1
+        for i in range(0, buf.size, step):
+            part = buf[i:i + step]
+            sh.levels[0] = state
+            if sh.run(kg.walk_bytes, sh.levels, part) != 1:
+                return None
+            state = tuple(int(x) for x in sh.levels[part.size])
+        return state
+
+    def accepts(self, data: bytes) -> bool:
+        """Returns: whether ``data`` may come next (text, not tokens; the state is kept)."""
+        return not self._done and self._walk_text(data) is not None
+
+    def feed(self, data: bytes) -> None:
+        """Moves past the text ``data`` (a lazy constraint hands over what followed its
+        trigger). Raises: ConstraintError if the grammar does not allow it."""
+        state = None if self._done else self._walk_text(data)
+        if state is None:
+            raise ConstraintError(f"the text {data[:40]!r} is not allowed by the constraint here")
+        self._state = state
+
     def _is_eog(self, tok: int) -> bool:
         i = np.searchsorted(self.vocab.eog, tok)
         return i < self.vocab.eog.size and self.vocab.eog[i] == tok

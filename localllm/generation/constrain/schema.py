@@ -530,3 +530,21 @@ class _Compiler:
         if hi != 0:
             alts.append(lit("[") + [g.ws, heads[0]] + ([g.rule(tail, "prefix")] if tail else [Chars(())]))
         return g.rule(alts, "array")
+
+
+def compile_wrapped(schema, wrap, limits: Limits | None = None,
+                    max_depth: int = 32) -> CompiledGrammar:
+    """Compile a JSON Schema's value inside a larger text (a tool call's markers around it).
+
+    Args:
+        schema: the schema of the value, as for compile_schema.
+        wrap: wrap(grammar, value) -> the root Element, built with the JsonGrammar's rules
+            around ``value``, the Element of one value valid under ``schema``.
+        limits, max_depth: as for compile_schema.
+    Returns:
+        the CompiledGrammar of the root.
+    Raises:
+        GrammarError: as compile_schema.
+    """
+    c = _Compiler(schema, limits, max_depth)
+    return c.g.compile(wrap(c.g, c.value(c.root, 0, "#")))
