@@ -422,14 +422,13 @@ class Model(EmbeddingMixin):
     def _tool_chat(self, messages, params, seq, constraint, speculate, tools, tool_choice,
                    parallel, context_shift) -> Generation:
         """chat() with tools: the prompt and constraint of their plan, the calls split off."""
-        from localllm.generation.constrain import TokenConstraint
         from localllm.generation.tool_stream import stream_calls
         from localllm.generation.tool_use import plan
         if context_shift:
             raise BadSetting("context_shift cannot be combined with tools")
         p = plan(self.template.source, list(messages), {}, tools, tool_choice, parallel)
-        if p.schema is not None and constraint is None:
-            constraint = TokenConstraint.json_schema(p.schema, self.token_vocab)
+        if constraint is None:
+            constraint = p.constraint(self.token_vocab)
         gen = self._generate(self.chat_tokens(p.messages, **p.template_kwargs), params, seq,
                              constraint=constraint, speculate=speculate)
         return gen if p.fmt is None else Generation(stream_calls(gen, p), gen.stats)

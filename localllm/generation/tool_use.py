@@ -1,11 +1,15 @@
 """Function calling for chat: how tools reach the prompt (the template's own tool support, or
-the generic JSON format described in a system message), the JSON schema the answer is held to
-for tool_choice required / named, and the split of the output into calls."""
+the generic JSON format described in a system message), what the answer is held to (the
+calls in the template's own format, lazily under tool_choice auto; the generic JSON), and
+the split of the output into calls."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import json
+
+from localllm.generation.constrain.calls import ToolGrammar, answer_constraint
 from localllm.text.tool_calls import (GENERIC, ToolCall, ToolCallError, ToolFormat,
                                       canonical_text, detect_format, functions,
                                       generic_schema, generic_system_prompt, harmony_call,
@@ -18,12 +22,23 @@ class ToolPlan:
 
     fmt: the format the output is parsed with (None: no tools, plain text).
     messages / template_kwargs: what the template renders.
-    schema: the JSON schema the answer is constrained to, or None.
+    schema: what the answer is held to: the JSON schema of the generic format's whole
+        answer (a dict), a ToolGrammar of the template's own call format (lazy under
+        tool_choice auto), or None (free text).
     """
     fmt: ToolFormat | None
     messages: list[dict]
     template_kwargs: dict = field(default_factory=dict)
-    schema: dict | None = None
+    schema: dict | ToolGrammar | None = None
+
+    def constraint(self, vocab):
+        """The answer's constraint over a vocabulary (a TokenConstraint or LazyConstraint
+        to copy() for each generation), or None for free text.
+
+        Raises:
+            GrammarError: a tool's parameters schema the compiler does not support.
+        """
+        return None if self.schema is None else answer_constraint(self.schema, vocab)
 
     def split(self, text: str, parts=()) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a choice's whole output.
@@ -103,17 +118,66 @@ def plan(template_source: str, messages: list[dict], template_kwargs: dict, tool
         kw = dict(template_kwargs, tools=tools) if funcs and native is not GENERIC \
             else template_kwargs
         return ToolPlan(None, history, kw)
-    if native is not GENERIC and mode == "auto":
-        return ToolPlan(native, history, dict(template_kwargs, tools=tools))
-    # The generic JSON answer: for templates without tools, and (constrained, so the call
-    # always parses and fits the schemas) for required / a named function.
-    parallel = parallel and name is None   # a named function: that one call
+    one = name is not None   # a named function: that one call
+    parallel = parallel and not one
+    if native is not GENERIC:
+        kw = dict(template_kwargs, tools=tools)
+        grammar = native_grammar(native, tools, name, parallel, lazy=mode == "auto")
+        if grammar is not None or mode == "auto":
+            return ToolPlan(native, history, kw, grammar)
+    # The generic JSON answer: for templates without tools, and for required / a named
+    # function where the template's format is not prefix + JSON + suffix.
     schema = generic_schema(tools, mode, name, parallel)
     if native is GENERIC:
         history = _with_system(history, generic_system_prompt(
             [t for t in tools if name is None or t["function"]["name"] == name],
             mode, parallel))
         kw = template_kwargs
-    else:
-        kw = dict(template_kwargs, tools=tools)
     return ToolPlan(GENERIC, history, kw, schema)
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+_PROBE_ARGS = {"x": 1}
+
+
+def _reads_back(fmt: ToolFormat) -> bool:
+    """Whether the format reads one call written as its prefix, a JSON body in the shape of
+    its body_schema, and its suffix (a format that writes calls otherwise, e.g. the name as
+    text, gets no grammar of that shape)."""
+    shape = fmt.body_schema(_PROBE_TOOLS)["properties"]
+    body = {k: s["const"] if "const" in s else (_PROBE_ARGS if s.get("type") == "object"
+                                                 else "abc123xyz")
+            for k, s in shape.items()}
+    text = fmt.prefix + json.dumps([body] if fmt.as_list else body) + fmt.suffix
+    try:
+        content, calls = fmt.parse(text)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return (not content.strip() and len(calls) == 1 and calls[0].name == "f"
+            and json.loads(calls[0].arguments) == _PROBE_ARGS)
+
+
+def native_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, parallel: bool,
+                   lazy: bool) -> ToolGrammar | None:
+    """The grammar of a format's own calls, from the tools' schemas.
+
+    Args:
+        fmt: the template's format.
+        tools: the request's tools; name: only this function (a named tool_choice).
+        parallel: whether several calls may come; lazy: free text until the trigger.
+    Returns:
+        the ToolGrammar, or None for a format whose calls are not its prefix, a JSON body
+        and its suffix (or whose trigger does not begin that text).
+    """
+    if not _reads_back(fmt):
+        return None
+    opening = fmt.prefix.rstrip() + ("[" if fmt.as_list else "{")
+    if lazy and not (fmt.trigger and opening.startswith(fmt.trigger)):
+        return None
+    body = fmt.body_schema(tools, name)
+    if fmt.as_list:
+        body = {"type": "array", "items": body, "minItems": 1,
+                **({} if parallel else {"maxItems": 1})}
+    # A format without a marker of its own (bare JSON) is read only at the output's start.
+    return ToolGrammar(fmt.prefix, body, fmt.suffix, repeat=parallel and not fmt.as_list,
+                       trigger=fmt.trigger if lazy else "", anchored=lazy and not fmt.prefix)

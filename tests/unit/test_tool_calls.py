@@ -78,7 +78,8 @@ def test_plan_modes():
     hermes = "{% if tools %}<tool_call>{% endif %}"
     msgs = [{"role": "user", "content": "hi"}]
     auto = plan(hermes, msgs, {}, TOOLS, "auto", True)
-    assert auto.fmt is HERMES and auto.output is None and auto.template_kwargs["tools"]
+    assert auto.fmt is HERMES and auto.template_kwargs["tools"]
+    assert auto.output.kind == "tool_calls" and auto.output.schema.trigger == "<tool_call>"
     forced = plan("{{ messages }}", msgs, {}, TOOLS, "required", True)
     assert forced.fmt is GENERIC and forced.output.schema["required"] == ["tool_calls"]
     assert forced.messages[0]["role"] == "system" and '"f"' in forced.messages[0]["content"]

@@ -1,4 +1,4 @@
-"""Constrained output (JSON, a schema, a GBNF grammar) as token constraints: one compiled per output format (the server has one model)
+"""Constrained output (JSON, a schema, a GBNF grammar, tool calls) as token constraints: one compiled per output format (the server has one model)
 and copied for each choice; copies share the masks they learn, so a schema that comes again
 pays for its first masks once."""
 
@@ -20,14 +20,20 @@ class Constraints:
         self.capacity = capacity
         self._items: OrderedDict[str, TokenConstraint] = OrderedDict()
 
-    def get(self, model, fmt: OutputFormat) -> TokenConstraint:
+    def get(self, model, fmt: OutputFormat):
         """The constraint of a format, never advanced itself: give each choice a copy().
 
         Raises:
             APIError: 400 for a schema the grammar compiler does not support, naming why.
         """
-        key = fmt.kind if fmt.kind == "json_object" else (
-            "gbnf:" + fmt.grammar if fmt.kind == "grammar" else json.dumps(fmt.schema, sort_keys=True))
+        if fmt.kind == "json_object":
+            key = fmt.kind
+        elif fmt.kind == "grammar":
+            key = "gbnf:" + fmt.grammar
+        elif fmt.kind == "tool_calls":
+            key = "tools:" + fmt.schema.key()
+        else:
+            key = json.dumps(fmt.schema, sort_keys=True)
         c = self._items.get(key)
         if c is not None:
             self._items.move_to_end(key)
@@ -37,6 +43,8 @@ class Constraints:
                 c = TokenConstraint.json_object(model.token_vocab)
             elif fmt.kind == "grammar":
                 c = TokenConstraint.gbnf(fmt.grammar, model.token_vocab)
+            elif fmt.kind == "tool_calls":
+                c = fmt.schema.constraint(model.token_vocab)
             else:
                 c = TokenConstraint.json_schema(fmt.schema, model.token_vocab)
         except GrammarError as e:

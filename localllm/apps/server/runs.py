@@ -11,6 +11,7 @@ import numpy as np
 from dataclasses import dataclass, field
 
 from localllm.errors import LocalLLMError
+from localllm.generation.constrain.calls import ToolGrammar
 from localllm.text.reasoning import Part, ReasoningSplitter, style_of_template
 
 from .errors import APIError, api_error
@@ -49,11 +50,17 @@ class GenerationSpec:
 @dataclass
 class OutputFormat:
     """Constrained output: any JSON object ('json_object'), a value valid under a schema
-    ('json_schema') or text a GBNF grammar matches ('grammar')."""
+    ('json_schema'), text a GBNF grammar matches ('grammar') or a template's own tool calls
+    ('tool_calls': ``schema`` is a localllm.generation.constrain.calls.ToolGrammar)."""
     kind: str
-    schema: dict | None = None
+    schema: "dict | ToolGrammar | None" = None
     param: str = "response_format"   # the request field it came from
     grammar: str | None = None
+
+    def __post_init__(self):
+        # A tool plan hands its answer's grammar over as its schema, whichever it is.
+        if self.kind == "json_schema" and isinstance(self.schema, ToolGrammar):
+            self.kind = "tool_calls"
 
 
 # ----------------------------------------------------------------------------- events

@@ -1,0 +1,241 @@
+"""Tool calls held to the tools' schemas over SmolLM2's real vocabulary: the lazy constraint
+(free text until the format's trigger, then the call), the forced one (the call from the
+first token), and what the tool plan picks for each template and tool_choice."""
+
+import json
+
+import numpy as np
+import pytest
+from jsonschema import Draft202012Validator
+
+from localllm.errors import ConstraintError
+from localllm.generation.constrain import TokenVocab
+from localllm.generation.constrain.calls import LazyConstraint, ToolGrammar
+from localllm.generation.tool_use import plan
+from localllm.text.tokenizer import Tokenizer
+from localllm.text.tool_calls import GENERIC, HERMES, LLAMA3, MISTRAL_NEMO, ToolFormat
+from tests.support.tools import TIME, TIME_PARAMS, WEATHER, WEATHER_PARAMS
+
+TOOLS = [WEATHER, TIME]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+HERMES_TEMPLATE = "{% if tools %}<tool_call>{% endif %}"
+LLAMA3_TEMPLATE = '{% if tools %}<|start_header_id|>"parameters"{% endif %}'
+NEMO_TEMPLATE = "{% if tools %}[TOOL_CALLS]{% endif %}"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok(metas):
+    return Tokenizer.from_metadata(metas["smollm"])
+
+
+@pytest.fixture(scope="module")
+def vocab(tok):
+    return TokenVocab.from_tokenizer(tok)
+
+
+@pytest.fixture(scope="module")
+def lazy(vocab):
+    """The Hermes auto plan's constraint, built once (give each test a copy)."""
+    return plan(HERMES_TEMPLATE, USER, {}, TOOLS, "auto", True).constraint(vocab)
+
+
+def ids_of(tok, *pieces: str) -> list[int]:
+    """Token ids of each piece encoded on its own (so a trigger can be split on purpose)."""
+    return [i for p in pieces for i in tok.encode(p, add_special=False)]
+
+
+def feed(c, ids):
+    for i in ids:
+        assert c.allowed(i), f"token {i} refused"
+        c.advance(i)
+
+
+def valid_calls(fmt: ToolFormat, text: str) -> list[tuple[str, dict]]:
+    """The calls in text, each checked against its tool's schema."""
+    _, calls = fmt.parse(text)
+    out = []
+    for c in calls:
+        args = json.loads(c.arguments)
+        Draft202012Validator(PARAMS[c.name]).validate(args)
+        out.append((c.name, args))
+    return out
+
+
+def test_free_text_then_a_call(tok, vocab, lazy):
+    c = lazy.copy()
+    feed(c, ids_of(tok, "Let me look that up. I will call it now: "))
+    assert not c.triggered and c.is_complete() and c.mask().all()
+    feed(c, ids_of(tok, "<tool_call>"))
+    assert c.triggered and not c.is_complete()
+    call = '\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    feed(c, ids_of(tok, call))
+    assert c.is_complete()
+    c.advance(int(vocab.eog[0]))
+    assert c.must_end()
+    assert valid_calls(HERMES, "x <tool_call>" + call) == [("get_weather",
+                                                              {"city": "Paris", "unit": "c"})]
+
+
+def test_text_alone_may_end(tok, vocab, lazy):
+    c = lazy.copy()
+    feed(c, ids_of(tok, "No tool is needed: it is sunny."))
+    assert c.allowed(int(vocab.eog[0])) and c.is_complete() and not c.must_end()
+
+
+@pytest.mark.parametrize("pieces", [["<", "tool", "_", "call", ">"], ["<tool", "_call>"],
+                                    ["<tool_", "call", ">"]])
+def test_a_split_trigger(tok, lazy, pieces):
+    c = lazy.copy()
+    feed(c, ids_of(tok, "Sure "))
+    for p in pieces[:-1]:
+        feed(c, ids_of(tok, p))
+        assert not c.triggered
+    feed(c, ids_of(tok, pieces[-1]))
+    assert c.triggered
+    assert not c.allowed(ids_of(tok, "Paris")[0])   # only the call may follow now
+
+
+def test_a_token_with_the_trigger_and_more(tok, vocab, lazy):
+    c = lazy.copy()
+    feed(c, ids_of(tok, "ok <tool_call"))
+    m = c.mask()
+    assert m.tolist() == [c.allowed(t) for t in range(vocab.size)]
+    # A token that finishes the trigger is checked with the text it carries after it: in
+    # SmolLM2's vocabulary none of ">>", "><", ">=", '>"' ... can begin a call.
+    more = {vocab.token_bytes(t): t for t in range(vocab.size)
+            if vocab.token_bytes(t)[:1] == b">"}
+    assert len(more) > 5 and m[more[b">"]]
+    assert not any(m[t] for b, t in more.items() if len(b) > 1)
+    with pytest.raises(ConstraintError):
+        c.copy().advance(more[b">>"])
+    c.advance(more[b">"])
+    assert c.triggered
+
+
+def test_text_before_the_trigger_inside_one_token(vocab):
+    # A synthetic vocabulary with one token holding text, the whole trigger and the call's
+    # first characters, and one whose text after the trigger breaks the call.
+    pieces = [bytes([b]) for b in range(256)] + [b'ok<tool_call>\n{"', b"<tool_call>}", b"<eos>"]
+    v = TokenVocab.from_pieces(pieces, eog=[258])
+    c = plan(HERMES_TEMPLATE, USER, {}, TOOLS, "auto", True).constraint(v)
+    assert c.allowed(256) and not c.allowed(257)
+    assert not c.mask()[257]
+    c.advance(256)
+    assert c.triggered
+    for b in b'name": "get_time", "arguments": {"zone": 3}}\n</tool_call>':
+        c.advance(b)
+    assert c.is_complete()
+
+
+def test_invalid_json_after_the_trigger_is_refused(tok, lazy):
+    c = lazy.copy()
+    feed(c, ids_of(tok, "<tool_call>\n{\"name\": \"get_"))
+    for bad in ["wind", "weather\", \"args", "weather\", \"arguments\": {\"city\": 3"]:
+        d = c.copy()
+        with pytest.raises(ConstraintError):
+            for i in ids_of(tok, bad):
+                d.advance(i)
+    feed(c, ids_of(tok, 'time", "arguments": {"zone": '))
+    for bad in ["15", "-13", "\"3\"", "3.5"]:
+        d = c.copy()
+        with pytest.raises(ConstraintError):
+            feed_all = ids_of(tok, bad) + ids_of(tok, "}}")
+            for i in feed_all:
+                d.advance(i)
+
+
+def sample(c, vocab, rng, cap=400):
+    """Random tokens from the mask, weighted to short pieces (the call ends sooner), until an
+    end token; returns the text, or None past ``cap`` tokens."""
+    eog = int(vocab.eog[0])
+    out = []
+    for _ in range(cap):
+        m = c.mask()
+        ok = np.setdiff1d(np.flatnonzero(m), vocab.eog)
+        if m[eog] and (not ok.size or rng.random() < 0.5):
+            c.advance(eog)
+            return b"".join(out).decode()
+        w = 1.0 / (1 + (vocab.off[ok + 1] - vocab.off[ok])) ** 3
+        t = int(rng.choice(ok, p=w / w.sum()))
+        c.advance(t)
+        out.append(vocab.token_bytes(t))
+    return None
+
+
+def test_random_walks_after_the_trigger_always_parse(tok, vocab, lazy):
+    rng = np.random.default_rng(7)
+    done = 0
+    for _ in range(12):
+        c = lazy.copy()
+        feed(c, ids_of(tok, "Checking. <tool_call>"))
+        text = sample(c, vocab, rng)
+        if text is None:
+            continue
+        done += 1
+        calls = valid_calls(HERMES, "Checking. <tool_call>" + text)
+        assert calls and all(n in PARAMS for n, _ in calls)
+    assert done >= 6
+
+
+def test_required_holds_the_native_shape_from_the_first_token(tok, vocab):
+    p = plan(HERMES_TEMPLATE, USER, {}, TOOLS, "required", True)
+    assert p.fmt is HERMES and isinstance(p.schema, ToolGrammar) and not p.schema.trigger
+    assert p.messages == USER   # the template teaches the format: no system prompt added
+    c = p.constraint(vocab)
+    assert not isinstance(c, LazyConstraint)
+    assert not c.allowed(ids_of(tok, "Sure")[0]) and not c.allowed(int(vocab.eog[0]))
+    rng = np.random.default_rng(3)
+    texts = [t for t in (sample(c.copy(), vocab, rng) for _ in range(8)) if t is not None]
+    assert len(texts) >= 4
+    for t in texts:
+        assert valid_calls(HERMES, t)
+
+
+def test_named_function_is_that_one_call(tok, vocab):
+    p = plan(HERMES_TEMPLATE, USER, {}, TOOLS, {"type": "function",
+                                                "function": {"name": "get_time"}}, True)
+    assert not p.schema.repeat
+    c = p.constraint(vocab)
+    feed(c, ids_of(tok, "<tool_call>\n{\"name\": \"get_"))
+    with pytest.raises(ConstraintError):
+        c.copy().advance(ids_of(tok, "weather")[0])
+
+
+def test_llama3_bare_json_counts_only_at_the_start(tok, vocab):
+    p = plan(LLAMA3_TEMPLATE, USER, {}, TOOLS, "auto", True)
+    assert p.fmt is LLAMA3 and p.schema.anchored
+    c = p.constraint(vocab)
+    prose = c.copy()
+    feed(prose, ids_of(tok, "A set is written {1, 2}."))   # braces in prose stay free
+    assert not prose.triggered and prose.is_complete()
+    call = c.copy()
+    feed(call, ids_of(tok, " {\"name\": \"get_time\", \"parameters\": {\"zone\": -3}}"))
+    assert call.triggered and call.is_complete()
+    d = c.copy()
+    with pytest.raises(ConstraintError):
+        for i in ids_of(tok, "{\"zone"):
+            d.advance(i)
+
+
+def test_mistral_nemo_list_and_copies_are_independent(tok, vocab):
+    p = plan(NEMO_TEMPLATE, USER, {}, TOOLS, "auto", False)
+    assert p.fmt is MISTRAL_NEMO and p.schema.body["maxItems"] == 1
+    c = p.constraint(vocab)
+    feed(c, ids_of(tok, "[TOOL_CALLS]"))
+    a, b = c.copy(), c.copy()
+    feed(a, ids_of(tok, '[{"name": "get_time", "arguments": {"zone": 1}}]'))
+    assert a.is_complete() and b.triggered and not b.is_complete()
+    assert (b.mask() == c.mask()).all()
+
+
+def test_other_templates_keep_the_generic_answer():
+    generic = plan("{{ messages }}", USER, {}, TOOLS, "required", True)
+    assert generic.fmt is GENERIC and generic.schema["required"] == ["tool_calls"]
+    assert plan("{{ messages }}", USER, {}, TOOLS, "auto", True).fmt is GENERIC
+    # Mistral Small 3.2's name[ARGS]{...} is not prefix + JSON body: required stays generic,
+    # auto stays free.
+    small = "{% if tools %}[TOOL_CALLS][ARGS]{% endif %}"
+    assert plan(small, USER, {}, TOOLS, "required", True).fmt is GENERIC
+    auto = plan(small, USER, {}, TOOLS, "auto", True)
+    assert auto.fmt.name == "mistral" and auto.schema is None
