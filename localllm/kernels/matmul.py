@@ -25,13 +25,14 @@ from numba.extending import overload
 from . import packing as P
 from .actquant import act_buffers, quantize_q8_32, quantize_q8_256
 from .jit import njit
-from .simd import (vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16, vf_mul, vf_splat,
-                   vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load, vi_load_i8, vi_mul,
-                   vi_sll, vi_store, vi_sub, vi_zero)
+from .simd import (target_features, vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16,
+                   vf_mul, vf_splat, vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load,
+                   vi_load_i8, vi_mul, vi_sll, vi_store, vi_sub, vi_zero)
 from .unpack import dot, prefetch_chunk, unpack_chunk
 from .vmath import vf_bcast
 
 TOKENS_PER_PASS = 64  # tokens that share one unpacking of a weight chunk
+FLOAT_PAIR_MIN_TOKENS = 12  # float weights: tokens from which a tile pair widens its weights
 PREFETCH_AHEAD = 16    # chunk-tiles ahead whose bytes are requested early
 
 
@@ -269,6 +270,98 @@ def tile_float(w, tile, x, out):
         t += 1
 
 
+def pair_rows_f32(w, tile, K):
+    """(PackedF32, element offset) holding tiles ``tile`` and ``tile + 1`` of a float weight
+    as float32: F32 weights as they are, F16/BF16 widened (exactly) once into a scratch
+    buffer, so the token loop reads them with plain loads instead of converting per token."""
+
+
+@overload(pair_rows_f32, inline="always")
+def _ol_pair_rows_f32(w, tile, K):
+    if w.instance_class is P.PackedF32:
+        return lambda w, tile, K: (w, tile * K * 16)
+
+    def widen(w, tile, K):
+        buf = np.empty(K * 128, np.uint8)  # 32 rows x K float32
+        base = tile * K * 16
+        for i in range(2 * K):
+            vf_store(buf, i * 64, load_row_values(w, base + i * 16))
+        return P.PackedF32(buf), 0
+    return widen
+
+
+@njit(inline="always")
+def _pair_block6(w, b0, x, t, K, out, ob, Np):
+    """Tiles at element offsets b0 and b0 + 16K (two 16-row tiles) times tokens t..t+5 into
+    out from byte ``ob`` (token t, the first tile's columns): each of the 12 accumulators
+    is the same mul-then-add chain over k as tile_float's, so the bits match it."""
+    b1 = b0 + K * 16
+    a0, a1, a2, a3, a4, a5 = vf_zero(), vf_zero(), vf_zero(), vf_zero(), vf_zero(), vf_zero()
+    c0, c1, c2, c3, c4, c5 = vf_zero(), vf_zero(), vf_zero(), vf_zero(), vf_zero(), vf_zero()
+    xr = K * 4  # bytes from one token's row of x to the next
+    for k in range(K):
+        w0 = load_row_values(w, b0 + k * 16)
+        w1 = load_row_values(w, b1 + k * 16)
+        o = t * xr + k * 4
+        s = vf_bcast(x, o)
+        a0 = vf_add(a0, vf_mul(w0, s))
+        c0 = vf_add(c0, vf_mul(w1, s))
+        s = vf_bcast(x, o + xr)
+        a1 = vf_add(a1, vf_mul(w0, s))
+        c1 = vf_add(c1, vf_mul(w1, s))
+        s = vf_bcast(x, o + 2 * xr)
+        a2 = vf_add(a2, vf_mul(w0, s))
+        c2 = vf_add(c2, vf_mul(w1, s))
+        s = vf_bcast(x, o + 3 * xr)
+        a3 = vf_add(a3, vf_mul(w0, s))
+        c3 = vf_add(c3, vf_mul(w1, s))
+        s = vf_bcast(x, o + 4 * xr)
+        a4 = vf_add(a4, vf_mul(w0, s))
+        c4 = vf_add(c4, vf_mul(w1, s))
+        s = vf_bcast(x, o + 5 * xr)
+        a5 = vf_add(a5, vf_mul(w0, s))
+        c5 = vf_add(c5, vf_mul(w1, s))
+    r = Np * 4  # bytes from one token's row of out to the next
+    vf_store(out, ob, a0)
+    vf_store(out, ob + r, a1)
+    vf_store(out, ob + 2 * r, a2)
+    vf_store(out, ob + 3 * r, a3)
+    vf_store(out, ob + 4 * r, a4)
+    vf_store(out, ob + 5 * r, a5)
+    vf_store(out, ob + 64, c0)
+    vf_store(out, ob + r + 64, c1)
+    vf_store(out, ob + 2 * r + 64, c2)
+    vf_store(out, ob + 3 * r + 64, c3)
+    vf_store(out, ob + 4 * r + 64, c4)
+    vf_store(out, ob + 5 * r + 64, c5)
+
+
+@njit(cache=True)
+def tile_pair_float(w, tile, x, out):
+    """Tiles ``tile`` and ``tile + 1`` of float weights, six tokens at a time: each weight
+    vector is loaded once per six tokens and each activation broadcast once per two tiles.
+    Every output element is the same sequence of operations as in tile_float."""
+    n, K = x.shape
+    if n < FLOAT_PAIR_MIN_TOKENS:  # too few tokens to repay widening the weights
+        tile_float(w, tile, x, out)
+        tile_float(w, tile + 1, x, out)
+        return
+    Np = out.shape[1]
+    wf, b0 = pair_rows_f32(w, tile, K)
+    t = 0
+    while t + 6 <= n:
+        _pair_block6(wf, b0, x, t, K, out, (t * Np + tile * 16) * 4, Np)
+        t += 6
+    while t < n:
+        for r in range(2):
+            a0 = vf_zero()
+            for k in range(K):
+                a0 = vf_add(a0, vf_mul(load_row_values(wf, b0 + (r * K + k) * 16),
+                                       vf_bcast(x, (t * K + k) * 4)))
+            vf_store(out, (t * Np + (tile + r) * 16) * 4, a0)
+        t += 1
+
+
 # ----------------------------------------------------------------------------- any format
 
 def matmul_tile(w, tile, a32, a256, x, out):
@@ -293,11 +386,47 @@ def _ol_matmul_tile(w, tile, a32, a256, x, out):
         w, np.int64(tile), a32[0], a32[1], a32[2], a32[3], out)
 
 
+def _pairs_float(w) -> bool:
+    """Whether float weights go two tiles at a time: tile_pair_float's 12 accumulators and
+    its weight vectors need AVX-512's 32 vector registers (on AVX2 they spill)."""
+    return (w.instance_class in (P.PackedF32, P.PackedF16, P.PackedBF16)
+            and "avx512f" in target_features())
+
+
+def matmul_units(w, n_tiles):
+    """Work items of one matmul: pairs of tiles for float weights on AVX-512, single tiles
+    otherwise."""
+
+
+@overload(matmul_units, inline="always")
+def _ol_matmul_units(w, n_tiles):
+    if _pairs_float(w):
+        return lambda w, n_tiles: (n_tiles + 1) // 2
+    return lambda w, n_tiles: n_tiles
+
+
+def matmul_unit(w, u, n_tiles, a32, a256, x, out):
+    """Work item ``u`` of matmul_units: the same results as matmul_tile over its tiles."""
+
+
+@overload(matmul_unit, inline="always")
+def _ol_matmul_unit(w, u, n_tiles, a32, a256, x, out):
+    if _pairs_float(w):
+        def pair(w, u, n_tiles, a32, a256, x, out):
+            if 2 * u + 1 < n_tiles:
+                tile_pair_float(w, np.int64(2 * u), x, out)
+            else:
+                tile_float(w, np.int64(2 * u), x, out)
+        return pair
+    return lambda w, u, n_tiles, a32, a256, x, out: matmul_tile(w, u, a32, a256, x, out)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_kernel(w, a32, a256, x, out):
     """out = x @ W.T over all tiles in parallel (out: float32 (n, padded rows))."""
-    for tile in prange(out.shape[1] // 16):
-        matmul_tile(w, tile, a32, a256, x, out)
+    n_tiles = out.shape[1] // 16
+    for u in prange(matmul_units(w, n_tiles)):
+        matmul_unit(w, u, n_tiles, a32, a256, x, out)
 
 
 # ----------------------------------------------------------------------------- Python API
