@@ -12,8 +12,8 @@ from numba import prange
 
 from .jit import njit
 from .rowmath import rows_contiguous, vf_gelu_tanh, vf_load_n, vf_store_n
-from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
-from .vmath import f32_exp2, vf_fma
+from .simd import vf_add, vf_load, vf_mul, vf_splat, vf_store, vf_sub, vf_zero
+from .vmath import vf_bcast, vf_exp2, vf_fma, vf_hmax, vf_hsum, vf_keep, vf_max
 
 LOG2E = 1.4426950408889634
 PAR_MIN_ROWS = 4          # rows below which a norm or an activation stays on one thread
@@ -130,36 +130,55 @@ def _lanes(n, c):
 
 
 @njit(cache=True, inline="always")
-def _scores(qf, qo, kt, hd, jb, sc, scores, so):
-    """Scores of one query (flat offset qo) against keys jb..jb+63 into scores[so + jb..]:
-    for each key the fma chain over d in order, times the scale."""
+def _scores(qf, qo, qo2, kt, hd, jb, sc, scores, W):
+    """Scores of two queries (flat offsets qo, qo2) against keys jb..jb+63 into
+    scores[jb..] and scores[W + jb..]: for each key the fma chain over d in order, times the
+    scale (the two queries share each key load; a query's arithmetic is the same alone)."""
     a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+    b0, b1, b2, b3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
     for d in range(hd):
         x = vf_splat(qf[qo + d])
+        y = vf_splat(qf[qo2 + d])
         row = kt[d]
-        a0 = vf_fma(x, vf_load(row, 4 * jb), a0)
-        a1 = vf_fma(x, vf_load(row, 4 * (jb + 16)), a1)
-        a2 = vf_fma(x, vf_load(row, 4 * (jb + 32)), a2)
-        a3 = vf_fma(x, vf_load(row, 4 * (jb + 48)), a3)
-    vf_store(scores, 4 * (so + jb), vf_mul(a0, sc))
-    vf_store(scores, 4 * (so + jb + 16), vf_mul(a1, sc))
-    vf_store(scores, 4 * (so + jb + 32), vf_mul(a2, sc))
-    vf_store(scores, 4 * (so + jb + 48), vf_mul(a3, sc))
+        k0, k1 = vf_load(row, 4 * jb), vf_load(row, 4 * (jb + 16))
+        k2, k3 = vf_load(row, 4 * (jb + 32)), vf_load(row, 4 * (jb + 48))
+        a0 = vf_fma(x, k0, a0)
+        a1 = vf_fma(x, k1, a1)
+        a2 = vf_fma(x, k2, a2)
+        a3 = vf_fma(x, k3, a3)
+        b0 = vf_fma(y, k0, b0)
+        b1 = vf_fma(y, k1, b1)
+        b2 = vf_fma(y, k2, b2)
+        b3 = vf_fma(y, k3, b3)
+    vf_store(scores, 4 * jb, vf_mul(a0, sc))
+    vf_store(scores, 4 * (jb + 16), vf_mul(a1, sc))
+    vf_store(scores, 4 * (jb + 32), vf_mul(a2, sc))
+    vf_store(scores, 4 * (jb + 48), vf_mul(a3, sc))
+    vf_store(scores, 4 * (W + jb), vf_mul(b0, sc))
+    vf_store(scores, 4 * (W + jb + 16), vf_mul(b1, sc))
+    vf_store(scores, 4 * (W + jb + 32), vf_mul(b2, sc))
+    vf_store(scores, 4 * (W + jb + 48), vf_mul(b3, sc))
 
 
 @njit(cache=True, inline="always")
 def _softmax(scores, so, L):
-    """exp(s - max) of scores[so..so+L] in place (keys in order); returns 1 / their sum."""
-    m = -np.inf
-    for j in range(L):
-        if scores[so + j] > m:
-            m = scores[so + j]
-    total = np.float32(0.0)
-    for j in range(L):
-        p = f32_exp2(np.float32((scores[so + j] - m) * np.float32(LOG2E)))
-        scores[so + j] = p
-        total += p
-    return np.float32(1.0) / total
+    """exp(s - max) of scores[so..so+L] in place, 16 keys a vector (lanes past L become 0;
+    the buffer holds whole vectors); returns 1 / their sum. Per key: 2**((s - max) * log2 e)
+    in float32; the sum: 16 lane sums over the vectors in order, then vf_hsum's fixed tree."""
+    nv = (L + 15) // 16
+    mv = vf_splat(-np.inf)
+    for c in range(nv):
+        mv = vf_max(mv, vf_keep(vf_load(scores, 4 * (so + 16 * c)), 0, L - 1 - 16 * c, -np.inf))
+    m = vf_splat(vf_hmax(mv))
+    l2e = vf_splat(np.float32(LOG2E))
+    total = vf_zero()
+    for c in range(nv):
+        o = 4 * (so + 16 * c)
+        p = vf_exp2(vf_mul(vf_sub(vf_load(scores, o), m), l2e))
+        p = vf_keep(p, 0, L - 1 - 16 * c, 0.0)
+        vf_store(scores, o, p)
+        total = vf_add(total, p)
+    return np.float32(1.0) / vf_hsum(total)
 
 
 @njit(cache=True)
@@ -176,28 +195,38 @@ def _attend_rows(qf, qw, kt, vf, vw, a, b, r0, r1, h, kvh, hd, scale, scores, of
         pair = i + 1 < r1
         i2 = i + 1 if pair else i
         for jb in range(0, L, 64):
-            _scores(qf, i * qw + h * hd, kt, hd, jb, sc, scores, 0)
-            _scores(qf, i2 * qw + h * hd, kt, hd, jb, sc, scores, W)
+            _scores(qf, i * qw + h * hd, i2 * qw + h * hd, kt, hd, jb, sc, scores, W)
         inv = vf_splat(_softmax(scores, 0, L))
         inv2 = vf_splat(_softmax(scores, W, L))
-        for d in range(0, hd, 32):
+        for d in range(0, hd, 64):  # 64 columns of v a pass, 4 vectors x 2 queries
             n0, n1 = _lanes(hd - d, 0), _lanes(hd - d, 1)
-            a0, a1, b0, b1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+            n2, n3 = _lanes(hd - d, 2), _lanes(hd - d, 3)
+            a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+            b0, b1, b2, b3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
             for j in range(L):
-                x, y = vf_splat(scores[j]), vf_splat(scores[W + j])
+                x, y = vf_bcast(scores, 4 * j), vf_bcast(scores, 4 * (W + j))
                 vo = 4 * ((a + j) * vw + kvh * hd + d)
                 v0, v1 = vf_load_n(vf, vo, n0), vf_load_n(vf, vo + 64, n1)
+                v2, v3 = vf_load_n(vf, vo + 128, n2), vf_load_n(vf, vo + 192, n3)
                 a0 = vf_fma(x, v0, a0)
                 a1 = vf_fma(x, v1, a1)
+                a2 = vf_fma(x, v2, a2)
+                a3 = vf_fma(x, v3, a3)
                 b0 = vf_fma(y, v0, b0)
                 b1 = vf_fma(y, v1, b1)
+                b2 = vf_fma(y, v2, b2)
+                b3 = vf_fma(y, v3, b3)
             oo = 4 * (i * qw + h * hd + d)
             vf_store_n(of, oo, vf_mul(a0, inv), n0)
             vf_store_n(of, oo + 64, vf_mul(a1, inv), n1)
+            vf_store_n(of, oo + 128, vf_mul(a2, inv), n2)
+            vf_store_n(of, oo + 192, vf_mul(a3, inv), n3)
             if pair:
                 oo = 4 * (i2 * qw + h * hd + d)
                 vf_store_n(of, oo, vf_mul(b0, inv2), n0)
                 vf_store_n(of, oo + 64, vf_mul(b1, inv2), n1)
+                vf_store_n(of, oo + 128, vf_mul(b2, inv2), n2)
+                vf_store_n(of, oo + 192, vf_mul(b3, inv2), n3)
 
 
 @njit(cache=True, parallel=True)
