@@ -28,20 +28,36 @@ def _check(a):
 
 # ----------------------------------------------------------------------------- LayerNorm
 
+@njit(cache=True, inline="always")
+def _sum8(s):
+    """The fixed tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))."""
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+
+
 @njit(cache=True)
 def layer_norm_row(x, w, b, eps, out):
     """out = (x - mean) / sqrt(var + eps) * w (+ b) for one float32 row: mean and variance
-    summed in float64 in index order, the scaling in float32; ``b`` empty for no bias."""
+    summed in float64 as 8 interleaved partial sums (element i into sum i % 8, in index
+    order) joined by a fixed tree, the scaling in float32; ``b`` empty for no bias."""
     D = x.shape[0]
-    s = 0.0
-    for i in range(D):
-        s += x[i]
-    mean = s / D
-    ss = 0.0
-    for i in range(D):
+    D8 = D - D % 8
+    s = np.zeros(8)
+    for i in range(0, D8, 8):
+        for j in range(8):
+            s[j] += x[i + j]
+    for i in range(D8, D):
+        s[i - D8] += x[i]
+    mean = _sum8(s) / D
+    for j in range(8):
+        s[j] = 0.0
+    for i in range(0, D8, 8):
+        for j in range(8):
+            d = x[i + j] - mean
+            s[j] += d * d
+    for i in range(D8, D):
         d = x[i] - mean
-        ss += d * d
-    inv = np.float32(1.0 / math.sqrt(ss / D + eps))
+        s[i - D8] += d * d
+    inv = np.float32(1.0 / math.sqrt(_sum8(s) / D + eps))
     m32 = np.float32(mean)
     if b.shape[0] == D:
         for i in range(D):
