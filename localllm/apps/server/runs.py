@@ -57,11 +57,6 @@ class OutputFormat:
     param: str = "response_format"   # the request field it came from
     grammar: str | None = None
 
-    def __post_init__(self):
-        # A tool plan hands its answer's grammar over as its schema, whichever it is.
-        if self.kind == "json_schema" and isinstance(self.schema, ToolGrammar):
-            self.kind = "tool_calls"
-
 
 # ----------------------------------------------------------------------------- events
 

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 from localllm.generation import tool_use as _plans
+from localllm.generation.constrain.calls import ToolGrammar
 from localllm.generation.tool_stream import CallArgs, CallDone, CallStart, StreamSplitter
 from localllm.text.tool_calls import ToolCall, ToolCallError
 from .errors import api_error
@@ -23,8 +24,12 @@ class ToolPlan(_plans.ToolPlan):
 
     @property
     def output(self) -> OutputFormat | None:
-        """The JSON constraint of the answer, or None."""
-        return OutputFormat("json_schema", self.schema, "tools") if self.schema else None
+        """The answer's constraint: the template's own calls ('tool_calls', a ToolGrammar),
+        the generic format's JSON ('json_schema'), or None for free text."""
+        if self.schema is None:
+            return None
+        kind = "tool_calls" if isinstance(self.schema, ToolGrammar) else "json_schema"
+        return OutputFormat(kind, self.schema, "tools")
 
 
 def plan(template_source: str, messages: list[dict], template_kwargs: dict, tools, tool_choice,
