@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from localllm.errors import LocalLLMError
 
-from .tool_formats import (JSONArguments, ToolCall, args_text, arguments_value, command_r7b_text,
-                           deepseek_text, functionary_v32_text, json_at, parse_command_r7b,
-                           parse_deepseek, parse_functionary_v32)
+from .tool_formats import (GLM_XML, QWEN3_CODER_XML, JSONArguments, ToolCall, args_text,
+                           arguments_value, command_r7b_text, deepseek_text,
+                           functionary_v32_text, json_at, parse_command_r7b, parse_deepseek,
+                           parse_functionary_v32, parse_xml, xml_text)
 
 
 class ToolCallError(LocalLLMError, ValueError):
@@ -71,15 +72,20 @@ class ToolFormat:
     block_close: str = ""
     starts_open: bool = False
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
         """Split output text into its content and the tool calls in it.
 
         Args:
             text: the model's raw output.
+            tools: the request's tools, for formats that write arguments as text (the XML
+                ones: a value is a string or JSON as its parameter's schema says); without
+                them, a value that is JSON is taken as JSON.
         Returns:
             (content, calls): the text outside any call (stripped when there were calls), and
             the calls in order. Text that looks like a call but does not parse stays content.
         """
+        if self.name in _XML_STYLES:
+            return parse_xml(self, text, tools, _XML_STYLES[self.name])
         return _PARSERS[self.name](self, text)
 
     def body_schema(self, tools: list[dict], name: str | None = None) -> dict:
@@ -236,6 +242,7 @@ _PARSERS = {"hermes": _parse_tagged, "llama3": _parse_llama3, "mistral": _parse_
             "deepseek_r1": parse_deepseek, "deepseek_v31": parse_deepseek,
             "command_r7b": parse_command_r7b, "functionary_v32": parse_functionary_v32,
             "granite": _parse_tagged}
+_XML_STYLES = {"qwen3_coder": QWEN3_CODER_XML, "glm": GLM_XML}
 
 HERMES = ToolFormat("hermes", "<tool_call>", "<tool_call>\n", "\n</tool_call>")
 LLAMA3 = ToolFormat("llama3", "{", "", "", args_key="parameters")
@@ -268,8 +275,14 @@ FUNCTIONARY_V32 = ToolFormat("functionary_v32", ">>>", ">>>", "", name_sep="\n",
                              starts_open=True)
 # Granite 3.x: <|tool_call|>[{"name": .., "arguments": ..}, ...] (Granite 4 writes Hermes').
 GRANITE = ToolFormat("granite", "<|tool_call|>", "<|tool_call|>", "", as_list=True)
+# Qwen3-Coder's XML: <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n
+# </function>\n</tool_call>; GLM's: <tool_call>NAME\n<arg_key>P</arg_key>\n<arg_value>VALUE
+# </arg_value>\n</tool_call>. Arguments are no JSON body: these get no call grammar.
+QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "<tool_call>\n", "\n</tool_call>")
+GLM = ToolFormat("glm", "<tool_call>", "<tool_call>", "</tool_call>")
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC, HARMONY,
-                               DEEPSEEK_R1, DEEPSEEK_V31, COMMAND_R7B, FUNCTIONARY_V32, GRANITE)}
+                               DEEPSEEK_R1, DEEPSEEK_V31, COMMAND_R7B, FUNCTIONARY_V32, GRANITE,
+                               QWEN3_CODER, GLM)}
 
 
 def detect_format(template_source: str | None) -> ToolFormat:
@@ -286,6 +299,10 @@ def detect_format(template_source: str | None) -> ToolFormat:
     if "<|channel|>" in src and "to=" in src and "functions." in src:
         return HARMONY
     if "<tool_call>" in src:
+        if "<function=" in src and "<parameter=" in src:
+            return QWEN3_CODER
+        if "<arg_key>" in src and "<arg_value>" in src:
+            return GLM
         return HERMES
     if "[TOOL_CALLS]" in src:
         return MISTRAL if "[ARGS]" in src else MISTRAL_NEMO
@@ -437,6 +454,8 @@ def canonical_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
         return command_r7b_text(calls)
     if fmt.name == "functionary_v32":   # after the prompt's first ">>>"
         return functionary_v32_text(calls)
+    if fmt.name in _XML_STYLES:
+        return xml_text(_XML_STYLES[fmt.name], calls)
     bodies = [{"name": c.name, fmt.args_key: _arguments_value(c.arguments)} for c in calls]
     if fmt.as_list:
         return fmt.prefix + json.dumps(bodies)

@@ -89,7 +89,7 @@ RENDER_FAILS = {
 # template's own text for an assistant's calls must parse back; templates of these formats
 # that do not, with why.
 OWN_RENDERING_FORMATS = {"deepseek_r1", "deepseek_v31", "command_r7b", "functionary_v32",
-                         "mistral_nemo", "mistral", "harmony", "llama3"}
+                         "mistral_nemo", "mistral", "harmony", "llama3", "qwen3_coder", "glm"}
 OWN_RENDERING_EXCEPTIONS = {
     "meetkai-functionary-medium-v3.1.jinja":
         "writes <function=NAME>{...}</function>; detected as llama3 for its <|python_tag|>",
@@ -204,7 +204,8 @@ def test_every_known_format_parses_its_calls_back():
     unknown = {n for n, f in s.formats.items() if f == "generic"}
     assert unknown == UNSUPPORTED.keys(), (sorted(unknown - UNSUPPORTED.keys()),
                                            sorted(UNSUPPORTED.keys() - unknown))
-    for family in ("deepseek_r1", "deepseek_v31", "command_r7b", "functionary_v32", "granite"):
+    for family in ("deepseek_r1", "deepseek_v31", "command_r7b", "functionary_v32", "granite",
+                   "qwen3_coder", "glm"):
         assert family in s.formats.values(), family
 
 
