@@ -6,182 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from localllm.text import tool_formats as tf
 from localllm.text.tool_calls import ToolCall, _args_text
 
+from .partial_json import Node, PartialJSON
 from .tool_use import ToolPlan, harmony_calls
-
-# ----------------------------------------------------------------------------- partial JSON
-
-_WS = " \t\n\r"
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
-_LITERALS = ("true", "false", "null")
-
-
-class _Short(Exception):
-    """The text ran out inside a value."""
-
-
-class _Bad(Exception):
-    """The text is not JSON."""
-
-
-@dataclass
-class Node:
-    """A JSON value in text that may still be growing.
-
-    kind: "object", "array", "string" or "scalar"; start / end: its span in the text (end
-    None while open); members (objects, the last of a key wins as in json.loads), items
-    (arrays), value (a string's, once closed).
-    """
-    kind: str
-    start: int
-    end: int | None = None
-    members: dict = field(default_factory=dict)
-    items: list = field(default_factory=list)
-    value: object = None
-
-
-class PartialJSON:
-    """A JSON value parsed from the start of a text that may end anywhere, with its text in
-    json.dumps's form (", " and ": " separators, strings re-escaped) as far as it is known.
-
-    Args:
-        text: the text; the value starts at ``pos`` (blanks before it skipped).
-    Attributes:
-        root: the value's Node (None when nothing of it is there yet).
-        canonical: json.dumps(value, ensure_ascii=False) of the value so far: a prefix of
-            that of every longer text, the whole of it once root.end is set.
-        bad: the text is not JSON (what is before the fault stays).
-    """
-
-    def __init__(self, text: str, pos: int = 0):
-        self.text, self.pos, self.out = text, pos, []
-        self.root: Node | None = None
-        self.bad = False
-        holder: list[Node] = []
-        try:
-            self._blank()
-            self._value(holder)
-        except _Short:
-            pass
-        except _Bad:
-            self.bad = True
-        self.root = holder[0] if holder else None
-        self.canonical = "".join(self.out)
-
-    def _blank(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos] in _WS:
-            self.pos += 1
-        if self.pos >= len(self.text):
-            raise _Short
-
-    def _value(self, into: list) -> Node:
-        c = self.text[self.pos]
-        node = Node("object" if c == "{" else "array" if c == "[" else
-                    "string" if c == '"' else "scalar", self.pos)
-        into.append(node)
-        if c == "{" or c == "[":
-            self._container(node)
-        elif c == '"':
-            node.value = self._string()
-        else:
-            self._scalar()
-        node.end = self.pos
-        return node
-
-    def _container(self, node: Node) -> None:
-        close = "}" if node.kind == "object" else "]"
-        self.out.append(self.text[self.pos])
-        self.pos += 1
-        self._blank()
-        if self.text[self.pos] == close:
-            self.out.append(close)
-            self.pos += 1
-            return
-        while True:
-            if node.kind == "object":
-                if self.text[self.pos] != '"':
-                    raise _Bad
-                key = self._string()
-                self._blank()
-                if self.text[self.pos] != ":":
-                    raise _Bad
-                self.out.append(": ")
-                self.pos += 1
-                self._blank()
-                holder: list = []
-                try:
-                    self._value(holder)
-                finally:
-                    if holder:
-                        node.members[key] = holder[0]
-            else:
-                self._value(node.items)
-            self._blank()
-            c = self.text[self.pos]
-            self.pos += 1
-            if c == close:
-                self.out.append(close)
-                return
-            if c != ",":
-                raise _Bad
-            self.out.append(", ")
-            self._blank()
-
-    def _string(self) -> str:
-        i = self.pos + 1
-        while i < len(self.text):
-            c = self.text[i]
-            if c == "\\":
-                i += 2
-                continue
-            if c == '"':
-                try:
-                    value = json.loads(self.text[self.pos:i + 1])
-                except ValueError:
-                    raise _Bad from None
-                self.out.append(json.dumps(value, ensure_ascii=False))
-                self.pos = i + 1
-                return value
-            i += 1
-        self.out.append(_open_string(self.text[self.pos + 1:]))
-        raise _Short
-
-    def _scalar(self) -> None:
-        rest = self.text[self.pos:]
-        for lit in _LITERALS:
-            if rest.startswith(lit):
-                self.out.append(lit)
-                self.pos += len(lit)
-                return
-            if lit.startswith(rest):
-                raise _Short
-        m = _NUMBER.match(rest)
-        if not m:
-            raise _Bad
-        if m.end() == len(rest) or rest[m.end()] in ".eE+-":
-            raise _Short   # more digits may come
-        self.out.append(json.dumps(json.loads(m.group())))
-        self.pos += m.end()
-
-
-def _open_string(body: str) -> str:
-    """The json.dumps form of a string's text so far (without its closing quote), up to
-    where an escape or a surrogate pair may still be incomplete."""
-    for _ in range(2):   # an open escape, then a high surrogate before it
-        m = _OPEN_ESCAPE.search(body)
-        if m and (m.start() - len(body[:m.start()].rstrip("\\"))) % 2 == 0:
-            body = body[:m.start()]   # the backslash that starts it is not itself escaped
-    try:
-        return json.dumps(json.loads('"' + body + '"'), ensure_ascii=False)[:-1]
-    except ValueError:
-        return '"'
-
-
-_OPEN_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{0,3}|u[dD][89abAB][0-9a-fA-F]{2})?$")
-
 
 # ----------------------------------------------------------------------------- formats
 
@@ -192,21 +23,25 @@ class CallSpan:
     name: the function's name, once it is complete (None before).
     args_start / args_end: the span of the arguments' JSON text (None: not begun / open).
     done: the call's text is complete (no arguments by then: "{}").
+    arguments: for formats whose arguments are no JSON text (XML parameters), the
+        arguments' JSON as far as it is known, a prefix of the final text (None: a span).
     """
     name: str | None
     args_start: int | None = None
     args_end: int | None = None
     done: bool = False
+    arguments: str | None = None
 
 
-def _json_call(node: Node, keys=("arguments", "parameters")) -> CallSpan | None:
+def _json_call(node: Node, keys=("arguments", "parameters"),
+               name_key: str = "name") -> CallSpan | None:
     """The span of a call written as {"name": .., "arguments": ..} (or {"function": {..}})."""
     if node.kind != "object":
         return None
     inner = node.members.get("function")
     if inner is not None and inner.kind == "object":
-        return _json_call(inner, keys)
-    name = node.members.get("name")
+        return _json_call(inner, keys, name_key)
+    name = node.members.get(name_key)
     args = next((node.members[k] for k in keys if k in node.members), None)
     span = CallSpan(name.value if name is not None and name.end is not None else None,
                     args.start if args else None, args.end if args else None,
@@ -216,15 +51,17 @@ def _json_call(node: Node, keys=("arguments", "parameters")) -> CallSpan | None:
     return span
 
 
-def _calls_of(node: Node | None, as_list: bool, keys=("arguments", "parameters")):
+def _calls_of(node: Node | None, as_list: bool, keys=("arguments", "parameters"),
+              name_key: str = "name"):
     if node is None:
         return []
     items = node.items if as_list and node.kind == "array" else [node]
-    return [s for s in (_json_call(v, keys) for v in items) if s is not None]
+    return [s for s in (_json_call(v, keys, name_key) for v in items) if s is not None]
 
 
-def _tagged(fmt, text: str) -> list[CallSpan]:
-    """hermes, mistral_nemo: a JSON body (a list of them for Nemo) after each trigger."""
+def _tagged(fmt, text: str, tools=None) -> list[CallSpan]:
+    """hermes, mistral_nemo, granite: a JSON body (a list of them for Nemo and Granite)
+    after each trigger."""
     out, pos = [], 0
     while True:
         at = text.find(fmt.trigger, pos)
@@ -239,7 +76,7 @@ def _tagged(fmt, text: str) -> list[CallSpan]:
         pos = p.root.end
 
 
-def _llama3(fmt, text: str) -> list[CallSpan]:
+def _llama3(fmt, text: str, tools=None) -> list[CallSpan]:
     """llama3: the whole answer is calls, separated by ';' or blanks."""
     pos = len(text) - len(text.lstrip())
     if text.startswith("<|python_tag|>", pos):
@@ -262,7 +99,7 @@ def _llama3(fmt, text: str) -> list[CallSpan]:
 _MISTRAL_CALL = re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\[ARGS\]")
 
 
-def _mistral(fmt, text: str) -> list[CallSpan]:
+def _mistral(fmt, text: str, tools=None) -> list[CallSpan]:
     """Mistral: [TOOL_CALLS] then a JSON list of calls, or name[ARGS]{...} repeated."""
     at = text.find(fmt.trigger)
     if at < 0:
@@ -285,7 +122,7 @@ def _mistral(fmt, text: str) -> list[CallSpan]:
         pos = p.root.end
 
 
-def _generic(fmt, text: str) -> list[CallSpan]:
+def _generic(fmt, text: str, tools=None) -> list[CallSpan]:
     """The generic answer: {"tool_calls": [..]} or {"tool_call": {..}}."""
     p = PartialJSON(text)
     if p.bad or p.root is None or p.root.kind != "object":
@@ -297,10 +134,108 @@ def _generic(fmt, text: str) -> list[CallSpan]:
     return _calls_of(one, False) if one is not None else []
 
 
+def _deepseek(fmt, text: str, tools=None) -> list[CallSpan]:
+    """DeepSeek: calls in a <｜tool▁calls▁begin｜> block, each NAME and its JSON arguments
+    (R1 / V3: after the type and in a ```json fence; V3.1: bare)."""
+    block = tf.DS_CALLS_BEGIN_RE.search(text) or tf.DS_CALL_BEGIN_RE.search(text)
+    if block is None:
+        return []
+    fenced = fmt.name == "deepseek_r1"
+    pos = block.end() if block.re is tf.DS_CALLS_BEGIN_RE else block.start()
+    out = []
+    while True:
+        begin = tf.DS_CALL_BEGIN_RE.match(text, pos)
+        if begin is None:
+            return out
+        head = (tf.DS_R1_HEAD_RE if fenced else tf.DS_V31_HEAD_RE).match(text, begin.end())
+        if head is None:
+            return out
+        p = PartialJSON(text, head.end())
+        if p.bad or p.root is None:   # the name is certain once its arguments begin
+            return out
+        name = (head.group(2) if fenced else head.group(1)).strip()
+        span = CallSpan(name, p.root.start, p.root.end)
+        out.append(span)
+        if p.root.end is None:
+            return out
+        end = p.root.end
+        if fenced:
+            fence = tf.FENCE_END_RE.match(text, end)
+            if fence is None:
+                return out
+            end = fence.end()
+        close = tf.DS_CALL_END_RE.match(text, end)
+        if close is None:
+            return out
+        span.done, pos = True, close.end()
+
+
+def _command_r7b(fmt, text: str, tools=None) -> list[CallSpan]:
+    """Command R7B: a JSON list of {"tool_call_id", "tool_name", "parameters"} after
+    <|START_ACTION|>."""
+    at = text.find(fmt.trigger)
+    if at < 0:
+        return []
+    p = PartialJSON(text, at + len(fmt.trigger))
+    if p.bad or p.root is None or p.root.kind != "array":
+        return []
+    return _calls_of(p.root, True, (fmt.args_key,), fmt.name_key)
+
+
+def _functionary_v32(fmt, text: str, tools=None) -> list[CallSpan]:
+    """Functionary v3.2: blocks >>>RECIPIENT\nBODY from the output's start (the prompt wrote
+    the first >>>); recipient "all" is text, any other a function and its JSON arguments."""
+    pos = 3 if text.startswith(">>>") else 0
+    out = []
+    while True:
+        head = tf.RECIPIENT_RE.match(text, pos)
+        if head is None:
+            return out
+        if head.group(1) == tf.FUNCTIONARY_ALL:
+            nxt = tf.NEXT_BLOCK_RE.search(text, head.end())
+            if nxt is None:
+                return out
+            pos = nxt.end()
+            continue
+        p = PartialJSON(text, head.end())
+        if p.bad or p.root is None:   # a name, once its arguments begin
+            return out
+        out.append(CallSpan(head.group(1), p.root.start, p.root.end, p.root.end is not None))
+        if p.root.end is None:
+            return out
+        pos = tf.skip_blanks(text, p.root.end)
+        if not text.startswith(">>>", pos):
+            return out
+        pos += 3
+
+
+def _xml(style):
+    def locate(fmt, text: str, tools=None) -> list[CallSpan]:
+        """Qwen3-Coder's and GLM's XML calls: the arguments' JSON is built parameter by
+        parameter (a string parameter's value as it comes)."""
+        out, pos = [], 0
+        while True:
+            at = text.find(tf.XML_OPEN, pos)
+            if at < 0:
+                return out
+            c = tf.scan_xml_call(style, text, at, tools)
+            if c.name is None:
+                return out
+            out.append(CallSpan(c.name, done=c.done, arguments=c.arguments))
+            if not c.done:
+                return out
+            pos = c.end
+    return locate
+
+
 # Formats whose calls stream as they are written; others (and harmony's raw channels) send
 # each call whole at the end (harmony's calls split by channel arrive whole as parts).
-LOCATORS = {"hermes": _tagged, "mistral_nemo": _tagged, "llama3": _llama3,
-            "mistral": _mistral, "generic": _generic}
+# A locator takes (fmt, text so far, the request's tools) and gives the calls' CallSpans.
+LOCATORS = {"hermes": _tagged, "mistral_nemo": _tagged, "granite": _tagged, "llama3": _llama3,
+            "mistral": _mistral, "generic": _generic, "deepseek_r1": _deepseek,
+            "deepseek_v31": _deepseek, "command_r7b": _command_r7b,
+            "functionary_v32": _functionary_v32, "qwen3_coder": _xml(tf.QWEN3_CODER_XML),
+            "glm": _xml(tf.GLM_XML)}
 
 
 # ----------------------------------------------------------------------------- the stream
@@ -330,6 +265,8 @@ class CallDone:
 def _arguments_so_far(text: str, span: CallSpan) -> tuple[str, bool]:
     """(the arguments' text as ToolCall.arguments will hold it, as far as it is known; whether
     that is all of it)."""
+    if span.arguments is not None:
+        return span.arguments, span.done
     if span.args_start is None:
         return ("{}", True) if span.done else ("", False)
     end = span.args_end if span.args_end is not None else len(text)
@@ -349,9 +286,15 @@ class StreamSplitter:
 
     def __init__(self, plan_: ToolPlan):
         self.plan = plan_
+        # the request's tools (a native plan renders them): they type XML calls' values
+        self.tools = plan_.template_kwargs.get("tools")
         self.text = ""
         self.sent = 0
+        self.shown = ""   # the content given out so far
         self.held = plan_.buffers
+        # starts_open: the output opens inside a call's prefix, so its first line (a
+        # function's name, or Functionary's "all" before text) is held until it is known
+        self.opening = plan_.fmt is not None and plan_.fmt.starts_open and not self.held
         self.parts: list = []   # harmony calls the reasoning split took out of the text
         self.started: list[ToolCall] = []   # calls begun: name and id, arguments so far
         self.finished: list[bool] = []
@@ -368,6 +311,7 @@ class StreamSplitter:
         self.parts += new
         self.text += piece
         shown = self._content()
+        self.shown += shown
         if self.held and self.plan.fmt is not None:
             self._locate()
         for c in harmony_calls(new):
@@ -375,6 +319,8 @@ class StreamSplitter:
         return shown
 
     def _content(self) -> str:
+        if self.opening and not self._open_line():
+            return ""
         if self.held or self.plan.fmt is None:
             if self.plan.fmt is None:
                 out, self.sent = self.text[self.sent:], len(self.text)
@@ -395,12 +341,25 @@ class StreamSplitter:
         out, self.sent = self.text[self.sent:end], end
         return out
 
+    def _open_line(self) -> bool:
+        """starts_open: whether the output's first line is known (then: text after "all"
+        streams, a function's name holds the rest, and no recipient line is plain text)."""
+        recipient, end = tf.functionary_opening(self.text)
+        if recipient is None:
+            return False
+        if recipient == tf.FUNCTIONARY_ALL:
+            self.sent = end
+        elif recipient:
+            self.held = True
+        self.opening = False
+        return True
+
     def _locate(self) -> None:
         """Events for what the held text now shows of its calls."""
         locate = LOCATORS.get(self.plan.fmt.name)
         if locate is None:
             return
-        for i, span in enumerate(locate(self.plan.fmt, self.text)):
+        for i, span in enumerate(locate(self.plan.fmt, self.text, self.tools)):
             if i < len(self.started):
                 if self.finished[i]:
                     continue
@@ -443,8 +402,11 @@ class StreamSplitter:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet shown, calls) at the choice's end; take() then gives the events
         that complete the calls (the calls keep the ids their first events had)."""
-        content, calls = self.plan.split(self.text)
-        calls = calls + harmony_calls(self.parts) if self.plan.fmt is not None else calls
+        if self.plan.fmt is None:
+            content, calls = self.text, []
+        else:   # as plan.split, with the tools that typed the streamed arguments
+            content, calls = self.plan.fmt.parse(self.text, self.tools)
+            calls = calls + harmony_calls(self.parts)
         for i, c in enumerate(calls):
             if i >= len(self.started):
                 self._start(c.name, c.id)
@@ -454,7 +416,7 @@ class StreamSplitter:
                 self.started[i].arguments = c.arguments
                 self._done(i)
         if calls:
-            shown = self.text[:self.sent]
+            shown = self.shown
             rest = content[len(shown.strip()):] if content.startswith(shown.strip()) else ""
             return rest.strip() if not shown else rest, calls
         return self.text[self.sent:] if not self.plan.buffers else content, calls

@@ -11,8 +11,8 @@ from localllm.apps.server.tool_use import StreamSplitter, ToolPlan, plan
 from localllm.text.reasoning import split_reasoning
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tool_calls import (COMMAND_R7B, DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32,
-                                      GENERIC, GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL,
-                                      MISTRAL_NEMO, ToolCall, ToolCallError, canonical_text,
+                                      GENERIC, GLM, GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL,
+                                      MISTRAL_NEMO, QWEN3_CODER, ToolCall, ToolCallError, canonical_text,
                                       detect_format, functions, generic_schema,
                                       template_messages)
 
@@ -162,7 +162,7 @@ def test_harmony_plan_and_stream():
 
 # ----------------------------------------------------------------------------- families
 
-FAMILIES = [DEEPSEEK_R1, DEEPSEEK_V31, COMMAND_R7B, FUNCTIONARY_V32, GRANITE]
+FAMILIES = [DEEPSEEK_R1, DEEPSEEK_V31, COMMAND_R7B, FUNCTIONARY_V32, GRANITE, QWEN3_CODER, GLM]
 TWO = [ToolCall("get_weather", '{"city": "Paris"}'),
        ToolCall("f", '{"x": [1, {"y": "\\u00e9"}], "z": null}')]
 
@@ -244,9 +244,9 @@ def test_command_r7b_body_schema_names_its_keys():
     assert s["required"] == ["tool_call_id", "tool_name", "parameters"]
 
 
-def _streamed(fmt, text: str, cut: int):
+def _streamed(fmt, text: str, cut: int, tools=None):
     from localllm.generation.tool_stream import CallArgs, CallStart
-    sp = StreamSplitter(ToolPlan(fmt, []))
+    sp = StreamSplitter(ToolPlan(fmt, [], {"tools": tools} if tools else {}))
     shown, events = "", []
     for i in range(0, len(text), cut):
         shown += sp.feed(text[i:i + cut])
@@ -260,19 +260,31 @@ def _streamed(fmt, text: str, cut: int):
     return shown + rest, calls, starts, args, pieces
 
 
+STREAM_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"},
+                                         "n": {"type": "array"}, "x": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer"}}}}}]
+
+
 def test_calls_stream_in_fragments_that_add_up_in_every_format():
     from localllm.text.tool_calls import FORMATS, ToolCall, canonical_text
     calls = [ToolCall("get_weather", json.dumps(
         {"city": 'Pa"ris é \\u', "unit": "c", "n": [1.5, -2e3, True, None, {}],
          "x": "\U0001F600"}, ensure_ascii=False)), ToolCall("get_time", '{"zone": 10}')]
-    for name in ("hermes", "llama3", "mistral_nemo", "mistral", "generic"):
+    for name in ("hermes", "llama3", "mistral_nemo", "mistral", "generic", "deepseek_r1",
+                 "deepseek_v31", "command_r7b", "functionary_v32", "granite", "qwen3_coder",
+                 "glm"):
         fmt = FORMATS[name]
         text = canonical_text(fmt, calls)
         for t in (text, text.replace(", ", ",").replace(": ", ":"),   # compact JSON
                   text.replace("\\ud83d\\ude00", "\U0001F600")):
-            want = fmt.parse(t)[1]
+            want = fmt.parse(t, STREAM_TOOLS)[1]
+            assert [json.loads(c.arguments) for c in want] == \
+                [json.loads(c.arguments) for c in calls], name
             for cut in (1, 2, 5, len(t)):
-                content, got, starts, args, pieces = _streamed(fmt, t, cut)
+                content, got, starts, args, pieces = _streamed(fmt, t, cut, STREAM_TOOLS)
                 assert content == "" and [c.name for c in got] == [c.name for c in want]
                 # each call once, with the id its final form keeps, and fragments that
                 # make exactly the arguments the whole text parses to
@@ -284,7 +296,63 @@ def test_calls_stream_in_fragments_that_add_up_in_every_format():
 
 def test_text_that_is_no_call_still_streams_as_content():
     for fmt, text in ((HERMES, "hi <tool_call> not json"), (GENERIC, '{"response": "hey"}'),
-                      (HERMES, '<tool_call>{"name": 3}')):
+                      (HERMES, '<tool_call>{"name": 3}'),
+                      (QWEN3_CODER, "<tool_call>\n<function=f\n<parameter=x>\n1\n</tool_call>"),
+                      (GLM, "a <tool_call><arg_value>1</arg_value></tool_call>")):
         content, calls, starts, _, _ = _streamed(fmt, text, 2)
         assert calls == [] and starts == []
         assert content == ("hey" if fmt is GENERIC else text)
+
+
+# ----------------------------------------------------------------------------- XML calls
+
+XML_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"zip": {"type": "string"}, "n": {"type": "integer"},
+                                     "tags": {"type": ["array", "string"]},
+                                     "code": {"type": "string"},
+                                     "opt": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}}}]
+QWEN_CALL = ("Let me look.\n<tool_call>\n<function=f>\n<parameter=zip>\n10001\n</parameter>\n"
+             "<parameter=n>\n7\n</parameter>\n<parameter=tags>\nnot a list\n</parameter>\n"
+             "<parameter=opt>\ntrue\n</parameter>\n<parameter=code>\nif a:\n    b()\n"
+             "</parameter>\n</function>\n</tool_call>")
+
+
+def test_xml_values_follow_the_parameter_schemas():
+    content, calls = QWEN3_CODER.parse(QWEN_CALL, XML_TOOLS)
+    assert content == "Let me look."
+    assert pairs(calls) == [("f", {"zip": "10001", "n": 7, "tags": "not a list", "opt": True,
+                                   "code": "if a:\n    b()"})]
+    # without the tools, a value that is JSON is JSON
+    assert json.loads(QWEN3_CODER.parse(QWEN_CALL)[1][0].arguments)["zip"] == 10001
+    glm = ("<tool_call>f\n<arg_key>zip</arg_key>\n<arg_value>02134</arg_value>\n"
+           "<arg_key>n</arg_key><arg_value>3</arg_value></tool_call>done")
+    content, calls = GLM.parse(glm, XML_TOOLS)
+    assert content == "done" and pairs(calls) == [("f", {"zip": "02134", "n": 3})]
+
+
+def test_xml_detection_comes_before_hermes():
+    qwen = "{% if tools %}<tool_call>\n<function={{ n }}>\n<parameter={{ k }}>{% endif %}"
+    glm = "{% if tools %}<tool_call>{{ n }}<arg_key>{{ k }}</arg_key><arg_value>{% endif %}"
+    assert detect_format(qwen) is QWEN3_CODER and detect_format(glm) is GLM
+
+
+def test_xml_string_values_stream_as_they_come():
+    for cut in (1, 3, len(QWEN_CALL)):
+        content, calls, starts, args, pieces = _streamed(QWEN3_CODER, QWEN_CALL, cut, XML_TOOLS)
+        assert content == "Let me look.\n" and [s.name for s in starts] == ["f"]
+        assert args == [c.arguments for c in QWEN3_CODER.parse(QWEN_CALL, XML_TOOLS)[1]]
+    _, _, _, _, pieces = _streamed(QWEN3_CODER, QWEN_CALL, 1, XML_TOOLS)
+    assert pieces > 15   # the code's characters came one by one
+
+
+def test_functionary_holds_its_first_line():
+    for cut in (1, 2, 7):
+        text = 'all\nLet me check.\n>>>f\n{"x": 1}'
+        content, calls, starts, args, _ = _streamed(FUNCTIONARY_V32, text, cut)
+        assert content == "Let me check.\n" and args == ['{"x": 1}']
+        content, calls, starts, args, _ = _streamed(FUNCTIONARY_V32, 'f\n{"x": 2}', cut)
+        assert content == "" and pairs(calls) == [("f", {"x": 2})] and args == ['{"x": 2}']
+        content, calls, starts, _, _ = _streamed(FUNCTIONARY_V32, "Hello, there!", cut)
+        assert content == "Hello, there!" and calls == [] and starts == []
+    sp = StreamSplitter(ToolPlan(FUNCTIONARY_V32, []))
+    assert sp.feed("al") == "" and sp.feed("l\nHi") == "Hi"
