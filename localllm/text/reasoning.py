@@ -1,6 +1,6 @@
 """Reasoning apart from the answer: a model's output text, fed piece by piece, split into
 reasoning and content parts (``<think>...</think>`` tags, Mistral's ``[THINK]...[/THINK]``,
-or gpt-oss harmony channels),
+Command R7B's ``<|START_THINKING|>`` plan, or gpt-oss harmony channels),
 holding back only what could still be the start of a marker."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import re
 from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-# the open and close tags of each tagged style: "think" (Qwen3, DeepSeek R1, SmolLM3) and
-# "mistral" (Magistral, Ministral 3 reasoning)
-TAGS = {"think": (THINK_OPEN, THINK_CLOSE), "mistral": ("[THINK]", "[/THINK]")}
+# the open and close tags of each tagged style: "think" (Qwen3, DeepSeek R1, SmolLM3),
+# "mistral" (Magistral, Ministral 3 reasoning) and "cohere" (Command R7B's plan)
+TAGS = {"think": (THINK_OPEN, THINK_CLOSE), "mistral": ("[THINK]", "[/THINK]"),
+        "cohere": ("<|START_THINKING|>", "<|END_THINKING|>")}
 # harmony (gpt-oss): <|start|>assistant<|channel|>analysis<|message|>...<|end|>
 H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -20,7 +21,7 @@ _H_HEADER_LEADS = ("assistant", "to=", H_CHANNEL, "<|constrain|>", H_START)
 _H_CHANNEL_RE = re.compile(r"<\|channel\|>\s*([A-Za-z0-9_.-]+)")
 _H_RECIPIENT_RE = re.compile(r"\bto=([^\s<]+)")
 
-STYLES = ("think", "mistral", "harmony")
+STYLES = ("think", "mistral", "cohere", "harmony")
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,13 @@ def style_of_template(source: str) -> str:
         source: the jinja source of the template.
     Returns:
         "harmony" for templates with harmony channels (gpt-oss), "mistral" for those
-        that write ``[THINK]`` and no ``<think>``, else "think".
+        that write ``[THINK]`` and no ``<think>``, "cohere" for those that write
+        ``<|START_THINKING|>`` and no ``<think>`` (Command R7B), else "think".
     """
     if H_CHANNEL in source:
         return "harmony"
+    if TAGS["cohere"][0] in source and THINK_OPEN not in source:
+        return "cohere"
     return "mistral" if TAGS["mistral"][0] in source and THINK_OPEN not in source else "think"
 
 
@@ -72,7 +76,7 @@ class ReasoningSplitter:
 
     def __init__(self, style: str = "think", prompt: str = ""):
         """Args:
-            style: "think", "mistral" or "harmony" (see style_of_template).
+            style: "think", "mistral", "cohere" or "harmony" (see style_of_template).
             prompt: the rendered prompt; a template that opens the reasoning itself (its
                 generation prompt ends in its open tag, or in a harmony header) makes the
                 output start inside it.

@@ -141,3 +141,25 @@ def test_harmony_without_markup_falls_back_to_content():
 def test_unknown_style_is_refused():
     with pytest.raises(ValueError, match="unknown reasoning style"):
         ReasoningSplitter("xml")
+
+
+R7B = ('<|START_THINKING|>I will look up the weather in Paris.<|END_THINKING|><|START_ACTION|>[\n'
+       '    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}\n'
+       ']<|END_ACTION|>')
+
+
+def test_command_r7b_plan_is_reasoning():
+    from localllm.text.tool_calls import COMMAND_R7B
+    src = ("{% if not enable_thinking %}<|START_THINKING|><|END_THINKING|>{% endif %}"
+           "<|START_ACTION|>{{ tools }}")
+    assert style_of_template(src) == "cohere"
+    assert style_of_template("<think>" + src) == "think"
+    reasoning, content, _ = every_cut_agrees(R7B, "cohere")
+    assert reasoning == "I will look up the weather in Paris."
+    assert content.startswith("<|START_ACTION|>")
+    assert [(c.name, c.arguments) for c in COMMAND_R7B.parse(content)[1]] == \
+        [("get_weather", '{"city": "Paris"}')]
+    # thinking off: the prompt closes an empty plan, the answer is content
+    answer = "<|START_RESPONSE|>Hi there.<|END_RESPONSE|>"
+    assert joined(fed(answer, [], "cohere", "<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>")) \
+        == ("", answer, [])
