@@ -140,17 +140,26 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"t
 _PROBE_ARGS = {"x": 1}
 
 
-def _reads_back(fmt: ToolFormat) -> bool:
-    """Whether the format reads one call written as its prefix, a JSON body in the shape of
-    its body_schema, and its suffix (a format that writes calls otherwise, e.g. the name as
-    text, gets no grammar of that shape)."""
+def _probe_text(fmt: ToolFormat) -> str:
+    """One call of the probe tool, written as the grammar of ``fmt`` lays it out."""
+    if fmt.name_sep is not None:
+        call = ("" if fmt.starts_open else fmt.prefix) + "f" + fmt.name_sep \
+            + json.dumps(_PROBE_ARGS) + fmt.suffix
+        return fmt.block_open + call + fmt.block_close
     shape = fmt.body_schema(_PROBE_TOOLS)["properties"]
     body = {k: s["const"] if "const" in s else (_PROBE_ARGS if s.get("type") == "object"
                                                  else "abc123xyz")
             for k, s in shape.items()}
-    text = fmt.prefix + json.dumps([body] if fmt.as_list else body) + fmt.suffix
+    return fmt.prefix + json.dumps([body] if fmt.as_list else body) + fmt.suffix
+
+
+def _reads_back(fmt: ToolFormat) -> bool:
+    """Whether the format reads back one call written as its grammar would hold it: its
+    prefix, a JSON body in the shape of its body_schema and its suffix; or, for formats that
+    write the name as text, prefix + NAME + name_sep + arguments + suffix inside the block.
+    A format whose calls are written otherwise gets no grammar."""
     try:
-        content, calls = fmt.parse(text)
+        content, calls = fmt.parse(_probe_text(fmt))
     except (ValueError, KeyError, TypeError):
         return False
     return (not content.strip() and len(calls) == 1 and calls[0].name == "f"
@@ -167,10 +176,18 @@ def native_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, paralle
         parallel: whether several calls may come; lazy: free text until the trigger.
     Returns:
         the ToolGrammar, or None for a format whose calls are not its prefix, a JSON body
-        and its suffix (or whose trigger does not begin that text).
+        (or a name, its separator and the arguments) and its suffix, or whose trigger does
+        not begin that text.
     """
+    if fmt.trigger and fmt.prefix.startswith(fmt.trigger) and fmt.prefix != fmt.trigger \
+            and fmt.name_sep is not None:
+        # The trigger is shared with other text (harmony's "<|channel|>" opens its analysis
+        # and final channels too): holding all that follows it would forbid them.
+        return None
     if not _reads_back(fmt):
         return None
+    if fmt.name_sep is not None:
+        return _named_grammar(fmt, tools, name, parallel, lazy)
     opening = fmt.prefix.rstrip() + ("[" if fmt.as_list else "{")
     if lazy and not (fmt.trigger and opening.startswith(fmt.trigger)):
         return None
@@ -181,3 +198,18 @@ def native_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, paralle
     # A format without a marker of its own (bare JSON) is read only at the output's start.
     return ToolGrammar(fmt.prefix, body, fmt.suffix, repeat=parallel and not fmt.as_list,
                        trigger=fmt.trigger if lazy else "", anchored=lazy and not fmt.prefix)
+
+
+def _named_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, parallel: bool,
+                   lazy: bool) -> ToolGrammar | None:
+    """The grammar of a format that writes the name as text: an alternation over the
+    functions, each its literal name, the separator and its own parameters' schema."""
+    opening = fmt.block_open or fmt.prefix
+    if lazy and (fmt.starts_open or not (fmt.trigger and opening.startswith(fmt.trigger))):
+        return None   # a call that opens the output has no trigger to wait for
+    named = {f["name"]: f.get("parameters") or {"type": "object"} for f in functions(tools)
+             if name is None or f["name"] == name}
+    return ToolGrammar(fmt.prefix, {}, fmt.suffix, repeat=parallel,
+                       trigger=fmt.trigger if lazy else "", named=named,
+                       name_sep=fmt.name_sep, block_open=fmt.block_open,
+                       block_close=fmt.block_close, open_first=fmt.starts_open)

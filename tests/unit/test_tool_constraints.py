@@ -13,7 +13,9 @@ from localllm.generation.constrain import TokenVocab
 from localllm.generation.constrain.calls import LazyConstraint, ToolGrammar
 from localllm.generation.tool_use import plan
 from localllm.text.tokenizer import Tokenizer
-from localllm.text.tool_calls import GENERIC, HERMES, LLAMA3, MISTRAL_NEMO, ToolFormat
+from localllm.text.tool_calls import (DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32, GENERIC,
+                                      HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, ToolCall, ToolFormat,
+                                      canonical_text)
 from tests.support.tools import TIME, TIME_PARAMS, WEATHER, WEATHER_PARAMS
 
 TOOLS = [WEATHER, TIME]
@@ -233,9 +235,159 @@ def test_other_templates_keep_the_generic_answer():
     generic = plan("{{ messages }}", USER, {}, TOOLS, "required", True)
     assert generic.fmt is GENERIC and generic.schema["required"] == ["tool_calls"]
     assert plan("{{ messages }}", USER, {}, TOOLS, "auto", True).fmt is GENERIC
-    # Mistral Small 3.2's name[ARGS]{...} is not prefix + JSON body: required stays generic,
-    # auto stays free.
-    small = "{% if tools %}[TOOL_CALLS][ARGS]{% endif %}"
-    assert plan(small, USER, {}, TOOLS, "required", True).fmt is GENERIC
-    auto = plan(small, USER, {}, TOOLS, "auto", True)
-    assert auto.fmt.name == "mistral" and auto.schema is None
+    # harmony's trigger also opens its analysis and final channels: auto stays free and
+    # required keeps the generic answer.
+    assert plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "auto", True).schema is None
+    assert plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "required", True).fmt is GENERIC
+
+
+# Formats that write the function's name as text: (template, the text before a call under
+# auto, free text that must stay free).
+SMALL_TEMPLATE = "{% if tools %}[TOOL_CALLS][ARGS]{% endif %}"
+R1_TEMPLATE = "{{ tools }}<｜tool▁sep｜>```json"
+V31_TEMPLATE = "{{ tools }}<｜tool▁sep｜>"
+FUNCTIONARY_TEMPLATE = "{{ tools }}>>>all"
+HARMONY_TEMPLATE = "{{ tools }}<|channel|> to= functions."
+NAMED = {"mistral": (SMALL_TEMPLATE, MISTRAL, "[TOOL_CALLS]"),
+         "deepseek_r1": (R1_TEMPLATE, DEEPSEEK_R1, "<｜tool▁calls▁begin｜>"),
+         "deepseek_v31": (V31_TEMPLATE, DEEPSEEK_V31, "<｜tool▁calls▁begin｜>"),
+         "functionary_v32": (FUNCTIONARY_TEMPLATE, FUNCTIONARY_V32, "")}
+
+
+@pytest.mark.parametrize("fmt_name", list(NAMED))
+def test_named_formats_random_walks_parse(tok, vocab, fmt_name):
+    template, fmt, _ = NAMED[fmt_name]
+    p = plan(template, USER, {}, TOOLS, "required", True)
+    assert p.fmt is fmt and p.schema.named is not None and not p.schema.trigger
+    c = p.constraint(vocab)
+    assert not c.allowed(ids_of(tok, "Sure")[0]) and not c.allowed(int(vocab.eog[0]))
+    rng = np.random.default_rng(11)
+    texts = [t for t in (sample(c.copy(), vocab, rng) for _ in range(10)) if t is not None]
+    assert len(texts) >= 5
+    for t in texts:
+        calls = valid_calls(fmt, t)
+        assert calls, t
+        _, parsed = fmt.parse(t)
+        assert len(parsed) == len(calls)
+
+
+@pytest.mark.parametrize("fmt_name", ["mistral", "deepseek_r1", "deepseek_v31"])
+def test_named_formats_lazy_hold_each_tools_own_arguments(tok, vocab, fmt_name):
+    template, fmt, opening = NAMED[fmt_name]
+    p = plan(template, USER, {}, TOOLS, "auto", True)
+    assert p.schema.trigger == opening
+    c = p.constraint(vocab)
+    feed(c, ids_of(tok, "Let me check. "))
+    assert not c.triggered and c.is_complete()
+    head = canonical_text(fmt, [ToolCall("get_time", '{"zone": 3}')])
+    cut = head.index('{"zone"')
+    feed(c, ids_of(tok, head[:cut]))
+    assert c.triggered
+    for bad in ['{"city": "Paris"', '{"zone": 15}', '{"zone": "3"}']:
+        d = c.copy()
+        with pytest.raises(ConstraintError):
+            for i in ids_of(tok, bad):
+                d.advance(i)
+    feed(c, ids_of(tok, head[cut:]))
+    assert c.is_complete()
+    assert valid_calls(fmt, "Let me check. " + head) == [("get_time", {"zone": 3})]
+
+
+def test_named_function_in_a_named_format_is_that_function(tok, vocab):
+    p = plan(SMALL_TEMPLATE, USER, {}, TOOLS,
+             {"type": "function", "function": {"name": "get_weather"}}, True)
+    assert list(p.schema.named) == ["get_weather"] and not p.schema.repeat
+    c = p.constraint(vocab)
+    feed(c, ids_of(tok, "[TOOL_CALLS]get_"))
+    d = c.copy()
+    with pytest.raises(ConstraintError):
+        for i in ids_of(tok, "time"):
+            d.advance(i)
+
+
+def test_functionary_required_opens_with_the_name(tok, vocab):
+    # The prompt ends with ">>>": the first call comes without it, later ones with it.
+    c = plan(FUNCTIONARY_TEMPLATE, USER, {}, TOOLS, "required", True).constraint(vocab)
+    assert not c.allowed(ids_of(tok, ">>>")[0])
+    feed(c, ids_of(tok, 'get_time\n{"zone": 1}\n>>>get_weather\n'
+                        '{"city": "Rome", "unit": "c"}'))
+    assert c.is_complete()
+    assert plan(FUNCTIONARY_TEMPLATE, USER, {}, TOOLS, "auto", True).schema is None
+
+
+# ----------------------------------------------------------------------------- control tokens
+
+# SmolLM2's tokenizer with some of its unused control tokens renamed to the markers that
+# are one control token each in Mistral's and DeepSeek's vocabularies.
+MARKERS = {3: "[TOOL_CALLS]", 5: "[ARGS]", 6: "<｜tool▁calls▁begin｜>", 7: "<｜tool▁calls▁end｜>",
+           8: "<｜tool▁call▁begin｜>", 9: "<｜tool▁call▁end｜>", 10: "<｜tool▁sep｜>"}
+
+
+@pytest.fixture(scope="module")
+def marked_tok(metas):
+    meta = dict(metas["smollm"])
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    for i, text in MARKERS.items():
+        tokens[i] = text
+    meta["tokenizer.ggml.tokens"] = tokens
+    return Tokenizer.from_metadata(meta)
+
+
+@pytest.fixture(scope="module")
+def marked_vocab(marked_tok):
+    v = TokenVocab.from_tokenizer(marked_tok)
+    assert {t: text for text, t in v.controls if t in MARKERS} == MARKERS
+    assert not v.usable[list(MARKERS)].any()
+    return v
+
+
+def sample_ids(c, vocab, rng, cap=400):
+    """As sample(), but returns the token ids (the text is the tokenizer's to decode)."""
+    eog = int(vocab.eog[0])
+    out = []
+    for _ in range(cap):
+        m = c.mask()
+        ok = np.setdiff1d(np.flatnonzero(m), vocab.eog)
+        if m[eog] and (not ok.size or rng.random() < 0.5):
+            c.advance(eog)
+            return out
+        w = 1.0 / (1 + (vocab.off[ok + 1] - vocab.off[ok])) ** 3
+        t = int(rng.choice(ok, p=w / w.sum()))
+        c.advance(t)
+        out.append(t)
+    return None
+
+
+def test_a_control_token_trigger_starts_the_lazy_call(marked_tok, marked_vocab):
+    c = plan(SMALL_TEMPLATE, USER, {}, TOOLS, "auto", True).constraint(marked_vocab)
+    feed(c, ids_of(marked_tok, "Let me check."))
+    assert not c.triggered and c.mask()[3]
+    c.advance(3)   # the [TOOL_CALLS] token itself
+    assert c.triggered
+    # the name, then [ARGS] as its token too, never spelled out
+    feed(c, ids_of(marked_tok, "get_time"))
+    assert c.mask()[5] and not c.allowed(ids_of(marked_tok, "[")[0])
+    c.advance(5)
+    feed(c, ids_of(marked_tok, '{"zone": 2}'))
+    assert c.is_complete()
+    text = marked_tok.decode(ids_of(marked_tok, "Let me check.") + [3]
+                             + ids_of(marked_tok, "get_time") + [5]
+                             + ids_of(marked_tok, '{"zone": 2}'))
+    assert valid_calls(MISTRAL, text) == [("get_time", {"zone": 2})]
+
+
+@pytest.mark.parametrize("fmt_name", ["mistral", "deepseek_v31", "deepseek_r1"])
+def test_required_emits_the_control_tokens(marked_tok, marked_vocab, fmt_name):
+    template, fmt, _ = NAMED[fmt_name]
+    c = plan(template, USER, {}, TOOLS, "required", True).constraint(marked_vocab)
+    first = np.flatnonzero(c.mask())
+    assert first.tolist() == [3 if fmt_name == "mistral" else 6]
+    rng = np.random.default_rng(5)
+    runs = [r for r in (sample_ids(c.copy(), marked_vocab, rng) for _ in range(8))
+            if r is not None]
+    assert len(runs) >= 4
+    for ids in runs:
+        used = set(ids) & set(MARKERS)
+        assert used <= set(MARKERS) and used
+        assert valid_calls(fmt, marked_tok.decode(ids))
+

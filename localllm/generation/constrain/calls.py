@@ -13,7 +13,7 @@ from localllm.errors import ConstraintError
 
 from .constraint import TokenConstraint
 from .grammar import Limits, lit
-from .schema import compile_wrapped
+from .schema import compile_wrapped, compile_wrapped_many
 from .vocab import TokenVocab
 
 _BLANKS = b" \t\r\n"
@@ -25,13 +25,23 @@ class ToolGrammar:
 
     prefix / suffix: the literal text around each call's body (their inner blanks are
         flexible: none, a space, or a newline and an indent).
-    body: the JSON schema of one body.
+    body: the JSON schema of one body (the name inside it); unused when ``named`` is set.
     repeat: whether further calls may follow one another (blanks between them).
     trigger: "" to hold the output from its first token; else free text is allowed until
         this text appears, and the call is held from where it starts (it must begin the
         call's text, e.g. the prefix).
     anchored: the trigger counts only at the start of the output (after blanks), for
         formats whose calls carry no marker of their own (Llama 3's bare JSON).
+    named: for formats that write the name as text: {function name: its parameters'
+        schema}; a call is then prefix + NAME + name_sep + ARGUMENTS + suffix, an
+        alternation over the functions.
+    name_sep: the literal text between a name and its arguments (with ``named``).
+    block_open / block_close: literal text once around all the calls (DeepSeek's).
+    open_first: the first call comes without its prefix (the prompt ended with it).
+
+    Where a literal piece of this text is one control token of the model's vocabulary
+    (Mistral's "[TOOL_CALLS]", DeepSeek's markers), the grammar takes that token, as
+    llama.cpp's grammars do, and the trigger is that token too.
     """
     prefix: str
     body: dict
@@ -39,10 +49,19 @@ class ToolGrammar:
     repeat: bool = False
     trigger: str = ""
     anchored: bool = False
+    named: dict | None = None
+    name_sep: str = ""
+    block_open: str = ""
+    block_close: str = ""
+    open_first: bool = False
 
     def key(self) -> str:
         """A text that identifies the grammar (for caches)."""
         return json.dumps(asdict(self), sort_keys=True)
+
+    def _literals(self) -> list[str]:
+        return [self.trigger, self.prefix, self.suffix, self.name_sep, self.block_open,
+                self.block_close]
 
     def constraint(self, vocab: TokenVocab, limits: Limits | None = None):
         """The constraint of these calls over a vocabulary.
@@ -52,22 +71,80 @@ class ToolGrammar:
         Raises:
             GrammarError: a body schema the compiler does not support, naming why.
         """
+        ctl = control_pieces(vocab, self._literals())
+        if ctl:
+            vocab, stand = vocab.with_stand_ins(ctl.values())
+            sub = {text: stand[t] for text, t in ctl.items()}
+        else:
+            sub = {}
+
+        def L(text: str) -> list:
+            return lit(_substitute(text, sub))
         pre, suf = self.prefix.rstrip(), self.suffix.lstrip()
 
-        def wrap(g, value):
-            call = lit(pre) + ([g.ws] if pre else []) + [value] + ([g.ws] if suf else []) + lit(suf)
-            root = [g.seq(call, name="call")]
+        def calls(g, values: list) -> list:
+            """The elements of the answer's calls: each value wrapped in its literals."""
+            def one(value, name: str | None, with_prefix: bool):
+                head = L(pre) if with_prefix else []
+                if name is None:
+                    head += [g.ws] if pre and with_prefix else []
+                else:
+                    head += lit(name) + L(self.name_sep) + [g.ws]
+                return head + [value] + ([g.ws] + L(suf) if suf else [])
+            names = list(self.named) if self.named is not None else [None]
+
+            def alts(with_prefix: bool):
+                return g.choice([one(v, n, with_prefix) for v, n in zip(values, names)],
+                                name="call")
+            first = alts(not self.open_first)
+            out = [first]
             if self.repeat:
-                root.append(g.seq([g.ws, root[0]], 0, -1, name="calls"))
-            if suf:
+                later = alts(True) if self.open_first else first
+                out.append(g.seq([g.ws, later], 0, -1, name="calls"))
+            return out
+
+        def wrap(g, values):
+            root = calls(g, values)
+            if self.block_open or self.block_close:
+                root = L(self.block_open) + [g.ws] + root + [g.ws] + L(self.block_close)
+            if suf or self.block_close:
                 root.append(g.ws)
             return g.seq(root, name="answer")
-        start = TokenConstraint(compile_wrapped(self.body, wrap, limits), vocab)
+        if self.named is not None:
+            grammar = compile_wrapped_many(list(self.named.values()), wrap, limits)
+        else:
+            grammar = compile_wrapped(self.body, lambda g, v: wrap(g, [v]), limits)
+        start = TokenConstraint(grammar, vocab)
         if not self.trigger:
             return start
-        if not start.accepts(self.trigger.encode()):
+        trigger = _substitute(self.trigger, sub).encode("utf-8", "surrogatepass")
+        if not start.accepts(trigger):
             raise ConstraintError(f"the trigger {self.trigger!r} does not begin a call")
-        return LazyConstraint(start, self.trigger, self.anchored)
+        return LazyConstraint(start, trigger, self.anchored)
+
+
+def control_pieces(vocab: TokenVocab, texts: list[str]) -> dict[str, int]:
+    """{text: id} of the vocabulary's control tokens whose text is found in ``texts``."""
+    return {text: t for text, t in vocab.controls if any(text in x for x in texts)}
+
+
+def _substitute(text: str, sub: dict[str, str]) -> str:
+    """``text`` with each control token's text replaced by its stand-in character (longest
+    first, leftmost)."""
+    if not sub or not text:
+        return text
+    out, i = [], 0
+    keys = sorted(sub, key=len, reverse=True)
+    while i < len(text):
+        for k in keys:
+            if text.startswith(k, i):
+                out.append(sub[k])
+                i += len(k)
+                break
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def answer_constraint(spec, vocab: TokenVocab):
@@ -102,10 +179,10 @@ class LazyConstraint:
     copy), so the Decoder, the Sampler and speculative decoding use it unchanged.
     """
 
-    def __init__(self, start: TokenConstraint, trigger: str, anchored: bool = False,
+    def __init__(self, start: TokenConstraint, trigger: str | bytes, anchored: bool = False,
                  _shared: _Shared | None = None):
         self.vocab = start.vocab
-        self._trigger = trigger.encode()
+        self._trigger = trigger.encode() if isinstance(trigger, str) else trigger
         self._anchored = anchored
         self._sh = _shared or _Shared(start, self._trigger)
         # Free text: how many trigger bytes the text ends with (anchored: has matched since

@@ -548,3 +548,26 @@ def compile_wrapped(schema, wrap, limits: Limits | None = None,
     """
     c = _Compiler(schema, limits, max_depth)
     return c.g.compile(wrap(c.g, c.value(c.root, 0, "#")))
+
+
+def compile_wrapped_many(schemas: list, wrap, limits: Limits | None = None,
+                         max_depth: int = 32) -> CompiledGrammar:
+    """Compile several JSON Schemas' values inside one larger text (tool calls that each
+    take their own tool's parameters).
+
+    Args:
+        schemas: the schemas; each one's $refs point into itself.
+        wrap: wrap(grammar, values) -> the root Element, ``values`` holding one Element per
+            schema, in order.
+        limits, max_depth: as for compile_schema.
+    Returns:
+        the CompiledGrammar of the root.
+    Raises:
+        GrammarError: as compile_schema.
+    """
+    c = _Compiler(None, limits, max_depth)
+    values = []
+    for i, s in enumerate(schemas):
+        c.root = s
+        values.append(c.value(s, 0, f"#{i}"))
+    return c.g.compile(wrap(c.g, values))
