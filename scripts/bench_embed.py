@@ -4,7 +4,11 @@ BERT-base-shaped encoder (12 layers, 768 wide, F16, random weights, SmolLM2's to
 written under /tmp), localllm against llama.cpp (llama-cpp-python), the same token ids, the
 same threads, each engine in its own process, batches of up to --batch tokens.
 
-    python scripts/bench.py --embed --threads 2 [--texts 256 --tokens 128]
+    python scripts/bench.py --embed --threads 2 [--texts 256 --tokens 128 --rounds 2]
+
+With --rounds N the engines alternate (the first goes first in odd rounds); the figures are
+the medians over rounds, and the ratio the median of the rounds' ratios. Each run records
+the machine's busy cores and its own, so the load of other processes shows.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import ctypes
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,6 +108,7 @@ def run_worker(python: str, engine: str, path: Path, inputs, threads: int, batch
     cmd = [python, __file__, "--worker", engine, "--model", str(path), "--ids", f.name,
            "--threads", str(threads), "--batch", str(batch)]
     busy0, wall0 = _busy_seconds(), time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
@@ -110,7 +117,12 @@ def run_worker(python: str, engine: str, path: Path, inputs, threads: int, batch
         raise RuntimeError(f"{engine} failed: {r.stderr.strip()[-400:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     # the whole machine's busy cores during the worker, its own threads included
-    out["machine_busy_cores"] = (_busy_seconds() - busy0) / (time.perf_counter() - wall0)
+    wall = time.perf_counter() - wall0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    out["machine_busy_cores"] = (_busy_seconds() - busy0) / wall
+    out["worker_cores"] = own / wall
+    out["other_cores"] = max(0.0, out["machine_busy_cores"] - out["worker_cores"])
     return out
 
 
@@ -125,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None,
                     help="the encoder file (default: /tmp/localllm-bench/bert-base-TYPE.gguf)")
     ap.add_argument("--llama-python", default=sys.executable)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating runs of both engines")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -142,22 +155,38 @@ def main(argv=None) -> int:
     n_tokens = sum(map(len, inputs))
     report = {"texts": args.texts, "tokens": n_tokens, "threads": args.threads, "type": args.type,
               "batch": args.batch, "model": str(path)}
-    for engine, py in (("localllm", sys.executable), ("llama_cpp", args.llama_python)):
-        r = run_worker(py, "localllm" if engine == "localllm" else "llama", path, inputs,
-                       args.threads, args.batch)
-        r["texts_per_s"] = args.texts / r["seconds"]
-        r["tokens_per_s"] = n_tokens / r["seconds"]
-        report[engine] = r
-    report["ratio"] = report["llama_cpp"]["seconds"] / report["localllm"]["seconds"]
+    engines = [("localllm", sys.executable), ("llama_cpp", args.llama_python)]
+    rounds = []
+    for r in range(args.rounds):
+        res = {}
+        for engine, py in (engines if r % 2 == 0 else engines[::-1]):
+            w = run_worker(py, "localllm" if engine == "localllm" else "llama", path, inputs,
+                           args.threads, args.batch)
+            w["texts_per_s"] = args.texts / w["seconds"]
+            w["tokens_per_s"] = n_tokens / w["seconds"]
+            res[engine] = w
+        res["ratio"] = res["llama_cpp"]["seconds"] / res["localllm"]["seconds"]
+        rounds.append(res)
+        if args.rounds > 1 and not args.json:
+            print(f"  round {r + 1}: localllm {res['localllm']['tokens_per_s']:.0f} tok/s, "
+                  f"llama.cpp {res['llama_cpp']['tokens_per_s']:.0f} tok/s, "
+                  f"{res['ratio']:.2f}x", flush=True)
+    for engine, _ in engines:
+        report[engine] = {k: statistics.median(rd[engine][k] for rd in rounds)
+                          for k in rounds[0][engine]}
+    report["ratio"] = statistics.median(rd["ratio"] for rd in rounds)
+    report["rounds"] = rounds
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"embeddings: {args.texts} texts, {n_tokens} tokens, BERT-base shape ({args.type}), "
-          f"{args.threads} threads, batches of {args.batch} tokens")
+          f"{args.threads} threads, batches of {args.batch} tokens, "
+          f"{args.rounds} round(s) (medians)")
     for engine in ("localllm", "llama_cpp"):
         r = report[engine]
         print(f"  {engine:9s} {r['seconds']:7.2f} s  {r['texts_per_s']:7.1f} texts/s  "
-              f"{r['tokens_per_s']:8.0f} tok/s  (machine busy {r['machine_busy_cores']:.2f} cores)")
+              f"{r['tokens_per_s']:8.0f} tok/s  (machine busy {r['machine_busy_cores']:.2f} cores, "
+              f"other processes {r['other_cores']:.2f})")
     print(f"  localllm / llama.cpp throughput: {report['ratio']:.2f}x")
     return 0
 
