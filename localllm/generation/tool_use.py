@@ -13,7 +13,7 @@ from localllm.generation.constrain.calls import ToolGrammar, answer_constraint
 from localllm.text.tool_calls import (GENERIC, ToolCall, ToolCallError, ToolFormat,
                                       canonical_text, detect_format, functions,
                                       generic_schema, generic_system_prompt, harmony_call,
-                                      template_messages)
+                                      supports_tools, template_messages)
 
 
 @dataclass
@@ -88,6 +88,43 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
     return [{"role": "system", "content": text}] + messages
 
 
+def _example_value(schema):
+    """A placeholder value of a parameter's schema, for the example call."""
+    if not isinstance(schema, dict):
+        return "..."
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    t = schema.get("type")
+    t = t[0] if isinstance(t, list) and t else t
+    return {"integer": 0, "number": 0, "boolean": True, "array": [], "object": {},
+            "null": None}.get(t, "...")
+
+
+def native_system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
+    """The system message that lists the tools and shows one call in the format's own syntax,
+    for a template that reads calls in that format but never renders the tools.
+
+    Args:
+        fmt: the template's format.
+        tools: the OpenAI tools the model may call.
+    Returns:
+        the message's text.
+    """
+    funcs = functions(tools)
+    listing = json.dumps([{"name": f["name"], "description": f.get("description", ""),
+                           "parameters": f.get("parameters") or {"type": "object"}}
+                          for f in funcs], ensure_ascii=False, indent=2)
+    params = funcs[0].get("parameters") or {}
+    args = {k: _example_value(v) for k, v in (params.get("properties") or {}).items()}
+    example = canonical_text(fmt, [ToolCall(funcs[0]["name"], json.dumps(args))])
+    return (f"You can call these functions to answer the user:\n{listing}\n\n"
+            f"To call a function, write the call exactly in this form (here "
+            f"{funcs[0]['name']} with placeholder arguments, as JSON):\n{example}\n"
+            "Then wait for its result.")
+
+
 def plan(template_source: str, messages: list[dict], template_kwargs: dict, tools, tool_choice,
          parallel: bool) -> ToolPlan:
     """The plan of a chat request.
@@ -120,18 +157,22 @@ def plan(template_source: str, messages: list[dict], template_kwargs: dict, tool
         return ToolPlan(None, history, kw)
     one = name is not None   # a named function: that one call
     parallel = parallel and not one
+    offered = [t for t in tools if name is None or t["function"]["name"] == name]
+    shown = supports_tools(template_source)
     if native is not GENERIC:
         kw = dict(template_kwargs, tools=tools)
         grammar = native_grammar(native, tools, name, parallel, lazy=mode == "auto")
         if grammar is not None or mode == "auto":
+            if not shown:
+                # The template reads calls back but never shows the tools (DeepSeek R1's
+                # distills, V3.1): tell the model about them and the call syntax.
+                history = _with_system(history, native_system_prompt(native, offered))
             return ToolPlan(native, history, kw, grammar)
     # The generic JSON answer: for templates without tools, and for required / a named
-    # function where the template's format is not prefix + JSON + suffix.
+    # function where the template's format has no grammar here.
     schema = generic_schema(tools, mode, name, parallel)
-    if native is GENERIC:
-        history = _with_system(history, generic_system_prompt(
-            [t for t in tools if name is None or t["function"]["name"] == name],
-            mode, parallel))
+    if not shown:
+        history = _with_system(history, generic_system_prompt(offered, mode, parallel))
         kw = template_kwargs
     return ToolPlan(GENERIC, history, kw, schema)
 

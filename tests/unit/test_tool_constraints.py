@@ -11,7 +11,9 @@ from jsonschema import Draft202012Validator
 from localllm.errors import ConstraintError
 from localllm.generation.constrain import TokenVocab
 from localllm.generation.constrain.calls import LazyConstraint, ToolGrammar
+from localllm.formats.fetch import vocab_suite_dir
 from localllm.generation.tool_use import plan
+from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
 from localllm.text.tool_calls import (DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32, GENERIC,
                                       HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, ToolCall, ToolFormat,
@@ -391,3 +393,29 @@ def test_required_emits_the_control_tokens(marked_tok, marked_vocab, fmt_name):
         assert used <= set(MARKERS) and used
         assert valid_calls(fmt, marked_tok.decode(ids))
 
+
+# ----------------------------------------------------------------------------- tools in prompts
+
+SUITE_TEMPLATES = vocab_suite_dir() / "templates"
+
+
+@pytest.mark.parametrize("name", ["deepseek-ai-DeepSeek-V3.1.jinja",
+                                  "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"])
+def test_templates_that_never_render_tools_get_them_in_a_system_message(name):
+    path = SUITE_TEMPLATES / name
+    if not path.is_file():
+        pytest.skip("no templates: `python scripts/fetch_models.py --vocab-suite`")
+    src = path.read_text()
+    assert "tools" not in src
+    p = plan(src, [{"role": "system", "content": "Be brief."}] + USER, {}, TOOLS, "auto", True)
+    fmt = p.fmt
+    assert fmt in (DEEPSEEK_V31, DEEPSEEK_R1) and p.schema.trigger
+    prompt = ChatTemplate(src, name, bos_token="<s>").render(p.messages, **p.template_kwargs)
+    assert "Be brief." in prompt and '"get_weather"' in prompt and '"get_time"' in prompt
+    assert WEATHER["function"]["description"] in prompt and '"maxLength": 12' in prompt
+    example = canonical_text(fmt, [ToolCall("get_weather", '{"city": "...", "unit": "c"}')])
+    assert example in prompt
+    # a template that renders the tools itself gets no such message
+    assert plan(HERMES_TEMPLATE, USER, {}, TOOLS, "auto", True).messages == USER
+    # tool_choice none: no tools offered, no message
+    assert plan(src, USER, {}, TOOLS, "none", True).messages == USER
