@@ -1,8 +1,9 @@
 """Tool calls held to the tools' schemas in a template's own format, through a real server
-and the openai client: SmolLM2 under a Hermes-style template (``<tool_call>`` tags), whose
+and the openai client: SmolLM2 under a Hermes-style template (``<tool_call>`` tags) and a
+Mistral Small 3.2-style one (``[TOOL_CALLS]NAME[ARGS]{...}``, the name as text), whose
 earlier turns show calls, sampled at temperature 1.5. Under tool_choice auto the text is free
-until ``<tool_call>``; under required the call is held from the first token. Every call that
-comes back parses and matches its tool's schema."""
+until the format's marker; under required the call is held from the first token. Every call
+that comes back parses and matches its tool's schema."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ jsonschema = pytest.importorskip("jsonschema")
 from localllm.testing.server_process import ServerProcess  # noqa: E402
 from support.tools import TIME, TIME_PARAMS, WEATHER, WEATHER_PARAMS  # noqa: E402
 
-TEMPLATE = Path(__file__).parents[1] / "fixtures" / "templates" / "hermes-tools.jinja"
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
+TEMPLATE = TEMPLATES / "hermes-tools.jinja"
+SMALL_TEMPLATE = TEMPLATES / "mistral-small-tools.jinja"
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 SHOTS = [("Rome", "21 C"), ("Oslo", "5 C"), ("Lima", "17 C"), ("Cairo", "30 C")]
@@ -38,17 +41,22 @@ def conversation() -> list[dict]:
     return msgs + [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(smollm_path):
-    s = ServerProcess(smollm_path, "-c", "2048", "--chat-template", str(TEMPLATE))
+def serve(path, template):
+    s = ServerProcess(path, "-c", "2048", "--chat-template", str(template))
     s.wait_ready()
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    return s, c
+
+
+@pytest.fixture(scope="module")
+def client(smollm_path):
+    s, c = serve(smollm_path, TEMPLATE)
     yield c
     c.close()
     s.stop()
 
 
-def check_calls(choices) -> tuple[int, int]:
+def check_calls(choices, marker: str = "<tool_call>") -> tuple[int, int]:
     """(choices with calls, calls); fails on a call that does not fit its schema or that
     did not parse."""
     with_calls = n_calls = 0
@@ -57,7 +65,7 @@ def check_calls(choices) -> tuple[int, int]:
         # A call that was begun is finished and read (unless the tokens ran out inside it):
         # a malformed one would stay in the content.
         if ch.finish_reason != "length":
-            assert "<tool_call>" not in (ch.message.content or ""), ch.message.content
+            assert marker not in (ch.message.content or ""), ch.message.content
         with_calls += bool(calls)
         for c in calls:
             assert c.function.name in SCHEMAS, c.function.name
@@ -91,3 +99,25 @@ def test_calls_fit_the_schemas_at_high_temperature(client, choice):
         assert all(ch.finish_reason == "tool_calls" for ch in choices if ch.message.tool_calls)
     else:
         assert with_calls >= 3   # the shots lead some samples to <tool_call>, held from there
+
+
+@pytest.fixture(scope="module")
+def small_client(smollm_path):
+    s, c = serve(smollm_path, SMALL_TEMPLATE)
+    yield c
+    c.close()
+    s.stop()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_name_as_text_calls_fit_the_schemas(small_client, choice):
+    r = small_client.chat.completions.create(
+        model="smollm2", messages=conversation(), tools=TOOLS, tool_choice=choice,
+        temperature=1.5, max_tokens=64, n=N, seed=SEEDS[0])
+    with_calls, n_calls = check_calls(r.choices, "[TOOL_CALLS]")
+    print(f"{choice}: {with_calls}/{N} choices with calls, {n_calls} calls, all valid")
+    if choice == "required":
+        cut = sum(ch.finish_reason == "length" for ch in r.choices)
+        assert with_calls + cut >= N and with_calls >= N // 2
+    else:
+        assert with_calls >= 1
