@@ -50,7 +50,8 @@ class ToolPlan:
         """
         if self.fmt is None:
             return text, []
-        content, calls = self.fmt.parse(text)
+        # the tools type XML parameter values (a string parameter "10001" stays a string)
+        content, calls = self.fmt.parse(text, self.template_kwargs.get("tools"))
         return content, calls + harmony_calls(parts)
 
     @property

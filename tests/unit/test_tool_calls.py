@@ -330,6 +330,16 @@ def test_xml_values_follow_the_parameter_schemas():
     assert content == "done" and pairs(calls) == [("f", {"zip": "02134", "n": 3})]
 
 
+def test_a_plans_whole_output_types_xml_values_by_its_tools():
+    """Not streamed, the plan's split reads the values with the request's tools, as the
+    stream does: a string parameter written as digits stays a string."""
+    src = "{% if tools %}<tool_call>\n<function={{ n }}>\n<parameter={{ k }}>{% endif %}"
+    p = plan(src, [{"role": "user", "content": "zip?"}], {}, XML_TOOLS, "auto", True)
+    assert p.fmt is QWEN3_CODER
+    content, calls = p.split(QWEN_CALL)
+    assert content == "Let me look." and json.loads(calls[0].arguments)["zip"] == "10001"
+
+
 def test_xml_detection_comes_before_hermes():
     qwen = "{% if tools %}<tool_call>\n<function={{ n }}>\n<parameter={{ k }}>{% endif %}"
     glm = "{% if tools %}<tool_call>{{ n }}<arg_key>{{ k }}</arg_key><arg_value>{% endif %}"
