@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import json
 
 from localllm.generation.constrain.calls import ToolGrammar, answer_constraint
+from localllm.text.tool_formats import XML_OPEN
 from localllm.text.tool_calls import (GENERIC, ToolCall, ToolCallError, ToolFormat,
                                       canonical_text, detect_format, functions,
                                       generic_schema, generic_system_prompt, harmony_call,
@@ -178,6 +179,8 @@ def plan(template_source: str, messages: list[dict], template_kwargs: dict, tool
     return ToolPlan(GENERIC, history, kw, schema)
 
 
+XML_FORMATS = ("qwen3_coder", "glm")   # calls whose arguments are XML, one value a parameter
+
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 _PROBE_ARGS = {"x": 1}
 
@@ -218,14 +221,19 @@ def native_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, paralle
         parallel: whether several calls may come; lazy: free text until the trigger.
     Returns:
         the ToolGrammar, or None for a format whose calls are not its prefix, a JSON body
-        (or a name, its separator and the arguments) and its suffix, or whose trigger does
-        not begin that text.
+        (or a name, its separator and the arguments) and its suffix, nor XML calls, or
+        whose trigger does not begin that text.
     """
     if fmt.trigger and fmt.prefix.startswith(fmt.trigger) and fmt.prefix != fmt.trigger \
             and fmt.name_sep is not None:
         # The trigger is shared with other text (harmony's "<|channel|>" opens its analysis
         # and final channels too): holding all that follows it would forbid them.
         return None
+    if fmt.name in XML_FORMATS:
+        named = {f["name"]: f.get("parameters") or {"type": "object"}
+                 for f in functions(tools) if name is None or f["name"] == name}
+        return ToolGrammar(XML_OPEN, {}, repeat=parallel, trigger=fmt.trigger if lazy else "",
+                           named=named, xml=fmt.name)
     if not _reads_back(fmt):
         return None
     if fmt.name_sep is not None:

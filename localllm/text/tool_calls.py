@@ -277,7 +277,7 @@ FUNCTIONARY_V32 = ToolFormat("functionary_v32", ">>>", ">>>", "", name_sep="\n",
 GRANITE = ToolFormat("granite", "<|tool_call|>", "<|tool_call|>", "", as_list=True)
 # Qwen3-Coder's XML: <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n
 # </function>\n</tool_call>; GLM's: <tool_call>NAME\n<arg_key>P</arg_key>\n<arg_value>VALUE
-# </arg_value>\n</tool_call>. Arguments are no JSON body: these get no call grammar.
+# </arg_value>\n</tool_call>. Their grammar is built per parameter (constrain/xml_calls.py).
 QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "<tool_call>\n", "\n</tool_call>")
 GLM = ToolFormat("glm", "<tool_call>", "<tool_call>", "</tool_call>")
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL_NEMO, MISTRAL, GENERIC, HARMONY,

@@ -15,9 +15,10 @@ from localllm.formats.fetch import vocab_suite_dir
 from localllm.generation.tool_use import plan
 from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
-from localllm.text.tool_calls import (DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32, GENERIC,
-                                      HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, ToolCall, ToolFormat,
-                                      canonical_text)
+from localllm.generation.constrain.grammar import lit
+from localllm.text.tool_calls import (DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32, GENERIC, GLM,
+                                      HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, QWEN3_CODER,
+                                      ToolCall, ToolFormat, canonical_text)
 from tests.support.tools import TIME, TIME_PARAMS, WEATHER, WEATHER_PARAMS
 
 TOOLS = [WEATHER, TIME]
@@ -419,3 +420,152 @@ def test_templates_that_never_render_tools_get_them_in_a_system_message(name):
     assert plan(HERMES_TEMPLATE, USER, {}, TOOLS, "auto", True).messages == USER
     # tool_choice none: no tools offered, no message
     assert plan(src, USER, {}, TOOLS, "none", True).messages == USER
+
+
+# ----------------------------------------------------------------------------- XML calls
+
+QWEN3_CODER_TEMPLATE = "{{ tools }}<tool_call><function=x><parameter=y>"
+GLM_TEMPLATE = "{{ tools }}<tool_call><arg_key><arg_value>"
+XML = {"qwen3_coder": (QWEN3_CODER_TEMPLATE, QWEN3_CODER), "glm": (GLM_TEMPLATE, GLM)}
+# a free string (raw text up to the closing tag), an optional JSON array and integer
+NOTE_PARAMS = {"type": "object",
+               "properties": {"text": {"type": "string"},
+                              "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                       "maxItems": 2},
+                              "level": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["text"]}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": NOTE_PARAMS}}
+XML_TOOLS = [WEATHER, TIME, NOTE]
+XML_PARAMS = dict(PARAMS, note=NOTE_PARAMS)
+
+
+def xml_calls(fmt: ToolFormat, text: str) -> list[tuple[str, dict]]:
+    """The XML calls in text (typed by the tools), each checked against its tool's schema."""
+    _, calls = fmt.parse(text, XML_TOOLS)
+    out = []
+    for c in calls:
+        args = json.loads(c.arguments)
+        Draft202012Validator(XML_PARAMS[c.name]).validate(args)
+        out.append((c.name, args))
+    return out
+
+
+def test_xml_string_value_is_text_without_the_closing_tag():
+    from localllm.generation.constrain.json_grammar import JsonGrammar
+    from localllm.generation.constrain.xml_calls import text_without
+    g = JsonGrammar()
+    cg = g.compile(g.seq([text_without(g, "</parameter>")] + lit("\n</parameter>")))
+    for ok in ["", "a < b", "<<</param\n", "x</parameterX", "</parameter", "<", "</"]:
+        assert cg.matches(ok + "\n</parameter>"), ok
+    for bad in ["</parameter>", "a<</parameter>b", "x\n</parameter>y"]:
+        assert not cg.matches(bad + "\n</parameter>"), bad
+
+
+@pytest.mark.parametrize("fmt_name", list(XML))
+def test_xml_required_random_walks_validate(tok, vocab, fmt_name):
+    template, fmt = XML[fmt_name]
+    # (a free string seldom ends by chance: note's walks are test_xml_free_text_walks')
+    p = plan(template, USER, {}, TOOLS, "required", True)
+    assert p.fmt is fmt and p.schema.xml == fmt_name and not p.schema.trigger
+    c = p.constraint(vocab)
+    assert not c.allowed(ids_of(tok, "Sure")[0]) and not c.allowed(int(vocab.eog[0]))
+    rng = np.random.default_rng(17)
+    texts = [t for t in (sample(c.copy(), vocab, rng, cap=600) for _ in range(12))
+             if t is not None]
+    assert len(texts) >= 6
+    names = set()
+    for t in texts:
+        calls = xml_calls(fmt, t)
+        assert calls and fmt.parse(t, XML_TOOLS)[0] == "", t
+        names |= {n for n, _ in calls}
+    assert len(names) >= 2
+
+
+@pytest.mark.parametrize("fmt_name", list(XML))
+def test_xml_free_text_walks(tok, vocab, fmt_name):
+    # random tokens inside a free string parameter, then its closing tag, then random again
+    template, fmt = XML[fmt_name]
+    c = plan(template, USER, {}, [NOTE], "required", False).constraint(vocab)
+    head = canonical_text(fmt, [ToolCall("note", '{"text": "VALUE"}')])
+    head = head[:head.index("VALUE")]
+    close = "\n</parameter>" if fmt_name == "qwen3_coder" else "</arg_value>"
+    feed(c, ids_of(tok, head))
+    rng = np.random.default_rng(29)
+    done = 0
+    for _ in range(6):
+        d = c.copy()
+        body = []
+        for _ in range(int(rng.integers(1, 40))):
+            ok = np.setdiff1d(np.flatnonzero(d.mask()), vocab.eog)
+            t = int(rng.choice(ok))
+            d.advance(t)
+            body.append(vocab.token_bytes(t))
+        try:
+            value = b"".join(body).decode()
+        except UnicodeDecodeError:
+            continue   # it stopped inside a character
+        if close in value:
+            continue   # the walk closed the value itself
+        text = head + value
+        feed(d, ids_of(tok, close))
+        rest = sample(d, vocab, rng, cap=300)
+        if rest is None:
+            continue
+        done += 1
+        text += close + rest
+        (name, args), = xml_calls(fmt, text)
+        assert name == "note" and args["text"] == value
+    assert done >= 3
+
+
+@pytest.mark.parametrize("fmt_name", list(XML))
+def test_xml_auto_is_free_until_the_tag_then_held(tok, vocab, fmt_name):
+    template, fmt = XML[fmt_name]
+    p = plan(template, USER, {}, XML_TOOLS, "auto", True)
+    assert p.schema.trigger == "<tool_call>"
+    c = p.constraint(vocab)
+    feed(c, ids_of(tok, "Let me check the <b>time</b>. "))
+    assert not c.triggered and c.is_complete()
+    call = canonical_text(fmt, [ToolCall("get_time", '{"zone": 3}')])
+    cut = call.index("zone")
+    feed(c, ids_of(tok, call[:cut]))
+    assert c.triggered
+    for bad in ["city", "zone>\n15" if fmt_name == "qwen3_coder" else "zone</arg_key>\n"
+                "<arg_value>15"]:
+        d = c.copy()
+        with pytest.raises(ConstraintError):
+            for i in ids_of(tok, bad):
+                d.advance(i)
+    feed(c, ids_of(tok, call[cut:]))
+    assert c.is_complete()
+    rng = np.random.default_rng(23)
+    done = 0
+    walks = plan(template, USER, {}, TOOLS, "auto", True).constraint(vocab)
+    for _ in range(8):
+        d = walks.copy()
+        feed(d, ids_of(tok, "Checking. <tool_call>"))
+        text = sample(d, vocab, rng, cap=600)
+        if text is not None:
+            done += 1
+            assert xml_calls(fmt, "Checking. <tool_call>" + text)
+    assert done >= 4
+
+
+def test_xml_named_function_and_required_parameters(tok, vocab):
+    p = plan(QWEN3_CODER_TEMPLATE, USER, {}, XML_TOOLS,
+             {"type": "function", "function": {"name": "get_weather"}}, True)
+    assert list(p.schema.named) == ["get_weather"] and not p.schema.repeat
+    c = p.constraint(vocab)
+    feed(c, ids_of(tok, "<tool_call>\n<function=get_weather>\n"))
+    d = c.copy()
+    with pytest.raises(ConstraintError):   # city is required: the call cannot end yet
+        for i in ids_of(tok, "</function>"):
+            d.advance(i)
+    # a string with maxLength is counted text: at most 12 characters
+    feed(c, ids_of(tok, "<parameter=city>\nParis\n</parameter>\n"))
+    d = c.copy()
+    with pytest.raises(ConstraintError):
+        for i in ids_of(tok, "<parameter=unit>\nk"):
+            d.advance(i)
+    feed(c, ids_of(tok, "<parameter=unit>\nf\n</parameter>\n</function>\n</tool_call>"))
+    assert c.is_complete()

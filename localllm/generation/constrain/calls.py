@@ -10,11 +10,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from localllm.errors import ConstraintError
+from localllm.text.tool_formats import GLM_XML, QWEN3_CODER_XML
 
 from .constraint import TokenConstraint
 from .grammar import Limits, lit
 from .schema import compile_wrapped, compile_wrapped_many
 from .vocab import TokenVocab
+from .xml_calls import xml_calls_grammar
 
 _BLANKS = b" \t\r\n"
 
@@ -38,6 +40,9 @@ class ToolGrammar:
     name_sep: the literal text between a name and its arguments (with ``named``).
     block_open / block_close: literal text once around all the calls (DeepSeek's).
     open_first: the first call comes without its prefix (the prompt ended with it).
+    xml: the XML call syntax ("qwen3_coder", "glm") whose calls these are, with ``named``
+        giving each function's parameters schema (one value per parameter; see
+        xml_calls); "" for the other formats.
 
     Where a literal piece of this text is one control token of the model's vocabulary
     (Mistral's "[TOOL_CALLS]", DeepSeek's markers), the grammar takes that token, as
@@ -54,14 +59,18 @@ class ToolGrammar:
     block_open: str = ""
     block_close: str = ""
     open_first: bool = False
+    xml: str = ""
 
     def key(self) -> str:
         """A text that identifies the grammar (for caches)."""
         return json.dumps(asdict(self), sort_keys=True)
 
     def _literals(self) -> list[str]:
-        return [self.trigger, self.prefix, self.suffix, self.name_sep, self.block_open,
-                self.block_close]
+        out = [self.trigger, self.prefix, self.suffix, self.name_sep, self.block_open,
+               self.block_close]
+        if self.xml:
+            out += [x for x in vars(_xml_style(self.xml)).values() if isinstance(x, str)]
+        return out
 
     def constraint(self, vocab: TokenVocab, limits: Limits | None = None):
         """The constraint of these calls over a vocabulary.
@@ -110,7 +119,10 @@ class ToolGrammar:
             if suf or self.block_close:
                 root.append(g.ws)
             return g.seq(root, name="answer")
-        if self.named is not None:
+        if self.xml:
+            grammar = xml_calls_grammar(_xml_style(self.xml), self.named or {}, self.repeat,
+                                        L, limits)
+        elif self.named is not None:
             grammar = compile_wrapped_many(list(self.named.values()), wrap, limits)
         else:
             grammar = compile_wrapped(self.body, lambda g, v: wrap(g, [v]), limits)
@@ -121,6 +133,10 @@ class ToolGrammar:
         if not start.accepts(trigger):
             raise ConstraintError(f"the trigger {self.trigger!r} does not begin a call")
         return LazyConstraint(start, trigger, self.anchored)
+
+
+def _xml_style(name: str):
+    return {"qwen3_coder": QWEN3_CODER_XML, "glm": GLM_XML}[name]
 
 
 def control_pieces(vocab: TokenVocab, texts: list[str]) -> dict[str, int]:

@@ -268,3 +268,32 @@ class _Emitter:
         if not body:
             return []
         return [self.g.seq(body, lo, hi, "pattern-repeat")]
+
+
+def raw_pattern_element(g: JsonGrammar, pattern: str, banned: Ranges) -> Element:
+    """Returns: raw text (no quotes, no escapes) that matches ``pattern`` somewhere and holds
+    none of the ``banned`` characters (an XML call's value, which must not hold its closing
+    tag: '<' is banned there).
+
+    Raises:
+        GrammarError: as pattern_element, or a pattern that needs only banned characters.
+    """
+    if not isinstance(pattern, str):
+        raise GrammarError("pattern must be a string")
+    emit = _RawEmitter(g, banned)
+    anything = Chars(negate(banned), 0, -1)
+    alts = []
+    for start, node, end in _Parser(pattern).top():
+        alts.append(([] if start else [anything]) + emit.node(node) + ([] if end else [anything]))
+    return g.choice(alts, "raw-pattern")
+
+
+class _RawEmitter(_Emitter):
+    """Nodes over raw characters: each class without the banned ones."""
+
+    def __init__(self, g: JsonGrammar, banned: Ranges):
+        super().__init__(g)
+        self.banned = banned
+
+    def char(self, r: Ranges) -> Element:
+        return Chars(subtract(r, self.banned))

@@ -571,3 +571,25 @@ def compile_wrapped_many(schemas: list, wrap, limits: Limits | None = None,
         c.root = s
         values.append(c.value(s, 0, f"#{i}"))
     return c.g.compile(wrap(c.g, values))
+
+
+def compile_built(build, limits: Limits | None = None, max_depth: int = 32) -> CompiledGrammar:
+    """Compile a text built around JSON Schema values chosen by the builder (the XML tool
+    calls, one value per parameter).
+
+    Args:
+        build: build(grammar, value) -> the root Element, made with the JsonGrammar's rules;
+            value(schema, root) is the Element of one value valid under ``schema``, whose
+            $refs point into ``root`` (the tool's whole parameters schema).
+        limits, max_depth: as for compile_schema.
+    Returns:
+        the CompiledGrammar of the root.
+    Raises:
+        GrammarError: as compile_schema.
+    """
+    c = _Compiler(None, limits, max_depth)
+
+    def value(schema, root) -> Element:
+        c.root = root
+        return c.value(schema, 1, "#")
+    return c.g.compile(build(c.g, value))
