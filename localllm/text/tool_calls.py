@@ -303,6 +303,10 @@ def detect_format(template_source: str | None) -> ToolFormat:
             return QWEN3_CODER
         if "<arg_key>" in src and "<arg_value>" in src:
             return GLM
+        # MiniMax M3's <invoke name=..> markup and Apriel 1.5's <tool_calls>[...] list
+        # mention <tool_call> but write no Hermes calls
+        if "<invoke" in src or "<tool_calls>[" in src:
+            return GENERIC
         return HERMES
     if "[TOOL_CALLS]" in src:
         return MISTRAL if "[ARGS]" in src else MISTRAL_NEMO

@@ -50,6 +50,9 @@ def test_detection():
     assert detect_format("{% if tools %}<tool_call>{% endif %}") is HERMES
     assert detect_format("{{ messages }}") is GENERIC
     assert detect_format("{% for t in tools %}[TOOL_CALLS]{% endfor %}") is MISTRAL_NEMO
+    # <tool_call> beside other markup: MiniMax M3's <invoke>, Apriel 1.5's <tool_calls>[
+    assert detect_format("{{ tools }}<tool_call><invoke name=\"f\">") is GENERIC
+    assert detect_format("{{ tools }}<tool_call></tool_call> <tool_calls>[{...}]") is GENERIC
 
 
 def test_bad_tools_are_typed_errors():

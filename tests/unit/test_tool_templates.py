@@ -61,6 +61,7 @@ UNSUPPORTED = {
     "LFM2.5-Instruct.jinja": "plain 'List of tools: [...]', calls as Python-call syntax",
     "MiniMax-M1.jinja": "<tool_calls> with one JSON object a line",
     "MiniMax-M2.jinja": "<minimax:tool_call><invoke name=..><parameter ..> XML",
+    "MiniMax-M3.jinja": "]<]minimax[>[<tool_call> around <invoke name=..> XML markup",
     "NVIDIA-Nemotron-Nano-v2.jinja": "<TOOLCALL>[...]</TOOLCALL> JSON list",
     "deepseek-ai-DeepSeek-V3.2.jinja": "DSML <｜DSML｜invoke> XML markup",
     "deepseek-ai-DeepSeek-V4-Flash-0731.jinja": "DSML <｜DSML｜invoke> XML markup",
@@ -72,6 +73,7 @@ UNSUPPORTED = {
     "muse-glimmer.jinja": "<atem:function_calls> with to=recipient messages",
     "openbmb-MiniCPM5-1B.jinja": "<function name=..><param name=..> XML",
     "tencent-Hy3.jinja": "<tool_calls…><tool_call…>NAME<tool_sep…> markup (HYTK tokens)",
+    "unsloth-Apriel-1.5.jinja": "<tool_calls>[...] JSON list (its prompt says <tool_call>)",
     "upstage-Solar-Open-100B.jinja": "<|tool_call:begin|> markup",
 }
 # Templates that take tools yet do not render the test conversation, with why.
