@@ -224,6 +224,8 @@ def native_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, paralle
         (or a name, its separator and the arguments) and its suffix, nor XML calls, or
         whose trigger does not begin that text.
     """
+    if fmt.name == "harmony":
+        return _harmony_grammar(fmt, tools, name, lazy)
     if fmt.trigger and fmt.prefix.startswith(fmt.trigger) and fmt.prefix != fmt.trigger \
             and fmt.name_sep is not None:
         # The trigger is shared with other text (harmony's "<|channel|>" opens its analysis
@@ -263,3 +265,22 @@ def _named_grammar(fmt: ToolFormat, tools: list[dict], name: str | None, paralle
                        trigger=fmt.trigger if lazy else "", named=named,
                        name_sep=fmt.name_sep, block_open=fmt.block_open,
                        block_close=fmt.block_close, open_first=fmt.starts_open)
+
+
+HARMONY_RECIPIENT = "to=functions."
+HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
+
+
+def _harmony_grammar(fmt: ToolFormat, tools: list[dict], name: str | None,
+                     lazy: bool) -> ToolGrammar:
+    """gpt-oss's calls. Its <|channel|> also opens the analysis and final channels, so auto
+    waits for the recipient ("to=functions.") and holds NAME <|constrain|>json<|message|>
+    ARGS from there; required holds an optional analysis message, then one call. A call
+    ends at its arguments and an optional <|call|> (an end of generation for gpt-oss)."""
+    named = {f["name"]: f.get("parameters") or {"type": "object"} for f in functions(tools)
+             if name is None or f["name"] == name}
+    if lazy:
+        return ToolGrammar(HARMONY_RECIPIENT, {}, trigger=HARMONY_RECIPIENT, named=named,
+                           name_sep=fmt.name_sep, tail=fmt.suffix)
+    return ToolGrammar(fmt.prefix, {}, named=named, name_sep=fmt.name_sep,
+                       lead=HARMONY_ANALYSIS, tail=fmt.suffix)

@@ -17,7 +17,7 @@ from localllm.text.chat_template import ChatTemplate
 from localllm.text.tokenizer import Tokenizer
 from localllm.generation.constrain.grammar import lit
 from localllm.text.tool_calls import (DEEPSEEK_R1, DEEPSEEK_V31, FUNCTIONARY_V32, GENERIC, GLM,
-                                      HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, QWEN3_CODER,
+                                      HARMONY, HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, QWEN3_CODER,
                                       ToolCall, ToolFormat, canonical_text)
 from tests.support.tools import TIME, TIME_PARAMS, WEATHER, WEATHER_PARAMS
 
@@ -238,10 +238,10 @@ def test_other_templates_keep_the_generic_answer():
     generic = plan("{{ messages }}", USER, {}, TOOLS, "required", True)
     assert generic.fmt is GENERIC and generic.schema["required"] == ["tool_calls"]
     assert plan("{{ messages }}", USER, {}, TOOLS, "auto", True).fmt is GENERIC
-    # harmony's trigger also opens its analysis and final channels: auto stays free and
-    # required keeps the generic answer.
-    assert plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "auto", True).schema is None
-    assert plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "required", True).fmt is GENERIC
+    # harmony's <|channel|> also opens its analysis and final channels: auto waits for
+    # the recipient instead (test_harmony_*)
+    assert plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "auto", True).schema.trigger == \
+        "to=functions."
 
 
 # Formats that write the function's name as text: (template, the text before a call under
@@ -569,3 +569,83 @@ def test_xml_named_function_and_required_parameters(tok, vocab):
             d.advance(i)
     feed(c, ids_of(tok, "<parameter=unit>\nf\n</parameter>\n</function>\n</tool_call>"))
     assert c.is_complete()
+
+
+# ----------------------------------------------------------------------------- harmony
+
+# As in gpt-oss's vocabulary: the markers are tokens of their own that the tokenizer renders
+# as text (user-defined), beside <|return|> and <|call|>, which end generation.
+HARMONY_MARKERS = {3: "<|channel|>", 5: "<|message|>", 6: "<|constrain|>", 7: "<|start|>",
+                   8: "<|end|>", 9: "<|return|>", 10: "<|call|>"}
+CTL = {3: "<|channel|>", 5: "<|message|>", 6: "<|constrain|>", 7: "<|start|>"}
+
+
+@pytest.fixture(scope="module")
+def harmony_tok(metas):
+    meta = dict(metas["smollm"])
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    for i, text in HARMONY_MARKERS.items():
+        tokens[i] = text
+    meta["tokenizer.ggml.tokens"] = tokens
+    return Tokenizer.from_metadata(meta)
+
+
+@pytest.fixture(scope="module")
+def harmony_vocab(harmony_tok):
+    v = TokenVocab.from_tokenizer(harmony_tok)
+    assert v.usable[list(CTL) + [8]].all() and {9, 10} <= set(v.eog.tolist())
+    return v
+
+
+def test_harmony_required_is_analysis_then_a_call(harmony_tok, harmony_vocab):
+    p = plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "required", True)
+    assert p.fmt is HARMONY and p.schema.lead
+    c = p.constraint(harmony_vocab)
+    m = c.mask()
+    assert m[3] and not m[ids_of(harmony_tok, "Sure")[0]]   # <|channel|> (its token) first
+    rng = np.random.default_rng(31)
+    runs = [r for r in (sample_ids(c.copy(), harmony_vocab, rng, cap=500) for _ in range(10))
+            if r is not None]
+    assert len(runs) >= 5
+    leads = 0
+    for ids in runs:
+        text = harmony_tok.decode(ids)
+        leads += text.startswith("<|channel|>analysis")
+        _, calls = HARMONY.parse(text)
+        assert len(calls) == 1, text
+        Draft202012Validator(PARAMS[calls[0].name]).validate(json.loads(calls[0].arguments))
+    named = plan(HARMONY_TEMPLATE, USER, {}, TOOLS,
+                 {"type": "function", "function": {"name": "get_time"}}, True)
+    d = named.constraint(harmony_vocab)
+    feed(d, [3] + ids_of(harmony_tok, "commentary to=functions.get_"))
+    with pytest.raises(ConstraintError):
+        for i in ids_of(harmony_tok, "weather"):
+            d.advance(i)
+
+
+def test_harmony_auto_leaves_analysis_and_final_free(harmony_tok, harmony_vocab):
+    p = plan(HARMONY_TEMPLATE, USER, {}, TOOLS, "auto", True)
+    c = p.constraint(harmony_vocab)
+    free = c.copy()
+    feed(free, [3] + ids_of(harmony_tok, "analysis") + [5]
+         + ids_of(harmony_tok, "Need the time.") + [8, 7]
+         + ids_of(harmony_tok, "assistant") + [3] + ids_of(harmony_tok, "final") + [5]
+         + ids_of(harmony_tok, "It is noon."))
+    assert not free.triggered and free.is_complete()
+    feed(c, [3] + ids_of(harmony_tok, "commentary to=functions."))
+    assert c.triggered
+    feed(c, ids_of(harmony_tok, "get_time "))
+    assert c.mask()[6]   # <|constrain|>, its token
+    c.advance(6)
+    feed(c, ids_of(harmony_tok, "json") + [5])
+    d = c.copy()
+    with pytest.raises(ConstraintError):
+        for i in ids_of(harmony_tok, '{"zone": 15'):
+            d.advance(i)
+    feed(c, ids_of(harmony_tok, '{"zone": 2}'))
+    assert c.is_complete()
+    text = harmony_tok.decode([3] + ids_of(harmony_tok, "commentary to=functions.get_time ")
+                              + [6] + ids_of(harmony_tok, "json") + [5]
+                              + ids_of(harmony_tok, '{"zone": 2}'))
+    assert [(x.name, json.loads(x.arguments)) for x in HARMONY.parse(text)[1]] == \
+        [("get_time", {"zone": 2})]

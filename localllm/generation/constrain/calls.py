@@ -16,7 +16,7 @@ from .constraint import TokenConstraint
 from .grammar import Limits, lit
 from .schema import compile_wrapped, compile_wrapped_many
 from .vocab import TokenVocab
-from .xml_calls import xml_calls_grammar
+from .xml_calls import text_without, xml_calls_grammar
 
 _BLANKS = b" \t\r\n"
 
@@ -43,6 +43,11 @@ class ToolGrammar:
     xml: the XML call syntax ("qwen3_coder", "glm") whose calls these are, with ``named``
         giving each function's parameters schema (one value per parameter; see
         xml_calls); "" for the other formats.
+    lead: (open, end, after): an optional message before the calls, open + text without
+        end + end + after (harmony's analysis: "<|channel|>analysis<|message|>", "<|end|>",
+        "<|start|>assistant"); () for none.
+    tail: optional literal text after the calls (harmony's <|call|>, which ends generation
+        in gpt-oss's vocabulary but may be written as text in others).
 
     Where a literal piece of this text is one control token of the model's vocabulary
     (Mistral's "[TOOL_CALLS]", DeepSeek's markers), the grammar takes that token, as
@@ -60,6 +65,8 @@ class ToolGrammar:
     block_close: str = ""
     open_first: bool = False
     xml: str = ""
+    lead: tuple = ()
+    tail: str = ""
 
     def key(self) -> str:
         """A text that identifies the grammar (for caches)."""
@@ -67,7 +74,7 @@ class ToolGrammar:
 
     def _literals(self) -> list[str]:
         out = [self.trigger, self.prefix, self.suffix, self.name_sep, self.block_open,
-               self.block_close]
+               self.block_close, self.tail, *self.lead]
         if self.xml:
             out += [x for x in vars(_xml_style(self.xml)).values() if isinstance(x, str)]
         return out
@@ -118,6 +125,12 @@ class ToolGrammar:
                 root = L(self.block_open) + [g.ws] + root + [g.ws] + L(self.block_close)
             if suf or self.block_close:
                 root.append(g.ws)
+            if self.tail:
+                root.append(g.seq(L(self.tail), 0, 1))
+            if self.lead:
+                opening, end, after = self.lead
+                body = text_without(g, _substitute(end, sub))
+                root = [g.seq(L(opening) + [body] + L(end) + L(after), 0, 1)] + root
             return g.seq(root, name="answer")
         if self.xml:
             grammar = xml_calls_grammar(_xml_style(self.xml), self.named or {}, self.repeat,

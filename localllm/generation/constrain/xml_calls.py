@@ -26,7 +26,7 @@ def text_without(g: JsonGrammar, closer: str) -> Element:
     before a character that continues it; the text may end inside such a piece.
     """
     c0 = closer[0]
-    if c0 in closer[1:]:
+    if len(closer) == 1 or c0 in closer[1:]:
         return Chars(negate(ranges([c0])), 0, -1)   # simpler, stricter: no such character
     first = ranges([c0])
     breaks = [[*lit(closer[1:k]), Chars(negate(ranges([closer[k], c0])))]
