@@ -51,3 +51,36 @@ def test_bad_tool_choice(smollm_model):
     with pytest.raises(ToolCallError):
         smollm_model.chat(ASK, tools=[WEATHER], tool_choice={
             "type": "function", "function": {"name": "nope"}})
+
+
+NOTE = {"type": "function", "function": {"name": "save_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+
+
+def test_prompt_lookup_drafts_under_a_tool_constraint(smollm_path):
+    """A call that quotes its prompt is drafted by prompt lookup through the tool grammar,
+    and the drafts change nothing: the same calls as without speculation."""
+    text = ("The quarterly report for the northern region is attached below; please review "
+            "the figures before the meeting on Thursday morning.")
+    ask = [{"role": "user", "content": f"Save this note exactly: {text}"}]
+
+    model = localllm.load(smollm_path, threads=2, lookup=8)
+
+    def run(speculate: bool):
+        gen = model.chat(ask, tools=[NOTE], tool_choice="required", temperature=0,
+                                parallel_tool_calls=False, max_tokens=120,
+                                speculate=speculate)
+        calls = [x for x in gen if isinstance(x, localllm.ToolCall)]
+        return [(c.name, json.loads(c.arguments)) for c in calls], gen.stats
+
+    try:
+        fast, stats = run(True)
+        plain, plain_stats = run(False)
+    finally:
+        model.close()
+    assert fast and fast == plain and all(n == "save_note" for n, _ in fast)
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    print(f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens}, passes "
+          f"{stats.decode_passes} against {plain_stats.decode_passes}")
+    assert plain_stats.draft_tokens == 0
+    assert stats.generated_tokens == plain_stats.generated_tokens
