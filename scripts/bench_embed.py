@@ -168,9 +168,10 @@ def main(argv=None) -> int:
         res["ratio"] = res["llama_cpp"]["seconds"] / res["localllm"]["seconds"]
         rounds.append(res)
         if args.rounds > 1 and not args.json:
-            print(f"  round {r + 1}: localllm {res['localllm']['tokens_per_s']:.0f} tok/s, "
-                  f"llama.cpp {res['llama_cpp']['tokens_per_s']:.0f} tok/s, "
-                  f"{res['ratio']:.2f}x", flush=True)
+            print(f"  round {r + 1}: localllm {res['localllm']['tokens_per_s']:.0f} tok/s "
+                  f"(others {res['localllm']['other_cores']:.2f} cores), llama.cpp "
+                  f"{res['llama_cpp']['tokens_per_s']:.0f} tok/s "
+                  f"(others {res['llama_cpp']['other_cores']:.2f}), {res['ratio']:.2f}x", flush=True)
     for engine, _ in engines:
         report[engine] = {k: statistics.median(rd[engine][k] for rd in rounds)
                           for k in rounds[0][engine]}
