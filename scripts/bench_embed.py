@@ -171,7 +171,8 @@ def main(argv=None) -> int:
             print(f"  round {r + 1}: localllm {res['localllm']['tokens_per_s']:.0f} tok/s "
                   f"(others {res['localllm']['other_cores']:.2f} cores), llama.cpp "
                   f"{res['llama_cpp']['tokens_per_s']:.0f} tok/s "
-                  f"(others {res['llama_cpp']['other_cores']:.2f}), {res['ratio']:.2f}x", flush=True)
+                  f"(others {res['llama_cpp']['other_cores']:.2f}), {res['ratio']:.2f}x",
+                  flush=True)
     for engine, _ in engines:
         report[engine] = {k: statistics.median(rd[engine][k] for rd in rounds)
                           for k in rounds[0][engine]}
