@@ -1,6 +1,7 @@
-"""Small encoder GGUFs (`bert`, `nomic-bert`, a `bert` reranker) with random weights and a
-real model's BPE tokenizer, written with gguf.GGUFWriter: same seed, same bytes. The llama.cpp
-reference embeddings in tests/fixtures/embeddings/ were computed on exactly these files.
+"""Small encoder GGUFs (`bert`, `nomic-bert`, a `bert` reranker) and a decoder embedder in
+Qwen3-Embedding's layout, with random weights and a real model's BPE tokenizer, written with
+gguf.GGUFWriter: same seed, same bytes. The llama.cpp reference embeddings in
+tests/fixtures/embeddings/ were computed on exactly these files.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
+from . import synthetic
 from .synthetic import _encode_float, _value_type
 
 # FIM tokens given to a decoder's SmolLM2 vocabulary for fill-in-the-middle tests: existing
@@ -135,10 +137,46 @@ def write(name: str, path: str | Path, tokenizer_meta: dict, spec: EncoderSpec |
     return Path(path)
 
 
-def with_fim_tokens(tokenizer_meta: dict) -> dict:
+def with_fim_tokens(tokenizer_meta: dict, drop: tuple = (), add_bos: bool | None = None) -> dict:
     """A copy of a model's metadata whose tokenizer names FIM_IDS as its fill-in-the-middle
-    tokens (tokenizer.ggml.fim_*_token_id), for synthetic.write."""
+    tokens (tokenizer.ggml.fim_*_token_id), for synthetic.write.
+
+    Args:
+        tokenizer_meta: the real model's metadata; drop: FIM_IDS names left unnamed (a
+            tokenizer may still find such a token by its text, as llama.cpp does);
+        add_bos: tokenizer.ggml.add_bos_token to set (None: the model's own).
+    """
     meta = dict(tokenizer_meta)
     for name, tid in FIM_IDS.items():
-        meta[f"tokenizer.ggml.{name}_token_id"] = tid
+        if name not in drop:
+            meta[f"tokenizer.ggml.{name}_token_id"] = tid
+    if add_bos is not None:
+        meta["tokenizer.ggml.add_bos_token"] = add_bos
     return meta
+
+
+# Qwen3-Embedding's layout: a `qwen3` decoder whose file names last-token pooling, and whose
+# tokenizer appends <|endoftext|> as EOS (the converter reads that from the post-processor of
+# Qwen3-Embedding's tokenizer.json), so the last token pooled is always that EOS. Float
+# weights, and blocks that weigh as much as the embedding (block_gain 1), so that the pooled
+# vector depends on the whole text, not mostly on that EOS's embedding.
+QWEN3_EMBEDDING_TYPES = {"attn": "F16", "attn_output": "F16", "ffn": "F16", "ffn_down": "F16",
+                         "embd": "F16", "output": "F16"}
+
+
+def write_qwen3_embedding(path: str | Path, tokenizer_meta: dict) -> Path:
+    """Write the synthetic Qwen3-Embedding-like decoder (synthetic "qwen3"'s shape).
+
+    Args:
+        path: the .gguf file to write.
+        tokenizer_meta: metadata of a real model whose ``tokenizer.*`` keys are copied; its
+            "<|endoftext|>" token becomes EOS, appended to every text (add_eos_token).
+    Returns:
+        The path written.
+    """
+    tokens = list(tokenizer_meta["tokenizer.ggml.tokens"])
+    meta = {**tokenizer_meta, "tokenizer.ggml.eos_token_id": tokens.index("<|endoftext|>"),
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True}
+    meta.pop("tokenizer.chat_template", None)
+    return synthetic.write("qwen3", path, meta, types=QWEN3_EMBEDDING_TYPES, block_gain=1.0,
+                           meta={"pooling_type": (POOL_IDS["last"], GGUFValueType.UINT32)})

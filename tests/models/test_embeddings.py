@@ -1,6 +1,7 @@
 """Embeddings and rank scores against llama.cpp's (tests/fixtures/embeddings/, made by
-scripts/fixtures_embeddings.py on exactly these synthetic encoders and the SmolLM2 file), the
-batch invariance of Model.embed, and the encoders' refusals."""
+scripts/fixtures_embeddings.py on exactly these synthetic encoders, the synthetic
+Qwen3-Embedding-like decoder and the SmolLM2 file), the batch invariance of Model.embed, the
+file's pooling as the default, and the encoders' refusals."""
 
 import json
 from pathlib import Path
@@ -42,15 +43,31 @@ def encoders(encoder_files):
 
 
 @pytest.fixture(scope="session")
+def qwen3_embed_file(tmp_path_factory, metas):
+    return se.write_qwen3_embedding(tmp_path_factory.mktemp("qwen3_embed") / "qwen3_embed.gguf",
+                                    metas["smollm"])
+
+
+@pytest.fixture(scope="session")
+def qwen3_embedder(qwen3_embed_file):
+    m = localllm.load(qwen3_embed_file, threads=2, ctx_size=512)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
 def smollm_embedder(smollm_path):
     m = localllm.load(smollm_path, threads=2, ctx_size=512)
     yield m
     m.close()
 
 
-def _model(case, fx, encoders, smollm_embedder, encoder_files, smollm_path):
+def _model(case, fx, encoders, smollm_embedder, encoder_files, smollm_path, request):
     if fx["model"] == "smollm":
         path, model = smollm_path, smollm_embedder
+    elif fx["model"] == "qwen3_embed":
+        path = request.getfixturevalue("qwen3_embed_file")
+        model = request.getfixturevalue("qwen3_embedder")
     else:
         path, model = encoder_files[fx["model"]], encoders[fx["model"]]
     return path, model
@@ -60,13 +77,14 @@ def test_fixtures_cover_every_architecture_and_pooling():
     pairs = {(load_case(c)["model"], load_case(c)["pooling"]) for c in CASES}
     assert {("bert", "mean"), ("bert_cls", "cls"), ("nomic_bert", "mean"),
             ("bert_rank", "rank"), ("bert_q8", "last"), ("smollm", "mean"),
-            ("smollm", "last")} <= pairs
+            ("smollm", "last"), ("qwen3_embed", "last")} <= pairs
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_matches_llama_cpp(case, encoders, smollm_embedder, encoder_files, smollm_path):
+def test_matches_llama_cpp(case, encoders, smollm_embedder, encoder_files, smollm_path, request):
     fx = load_case(case)
-    path, model = _model(case, fx, encoders, smollm_embedder, encoder_files, smollm_path)
+    path, model = _model(case, fx, encoders, smollm_embedder, encoder_files, smollm_path,
+                         request)
     assert synthetic.digest(path) == fx["digest"], \
         "the model differs from the one the fixture was made on: rerun the script"
     got = np.stack(model.embed(fx["inputs"], pooling=fx["pooling"], normalize=False))
@@ -81,6 +99,35 @@ def test_matches_llama_cpp(case, encoders, smollm_embedder, encoder_files, smoll
     # llama.cpp's vectors are raw; ours normalised by default are the same direction, unit.
     unit = np.stack(model.embed(fx["inputs"], pooling=fx["pooling"]))
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-5)
+
+
+def test_decoder_embedder_pools_as_its_file_says(qwen3_embedder):
+    """A Qwen3-Embedding-like file (pooling_type 3, add_eos_token): embed() with no pooling
+    pools the last token, which is the EOS the tokenizer appends (llama.cpp appends it only
+    through that flag, as we do); llama.cpp ran it with the file's pooling too."""
+    m, fx = qwen3_embedder, load_case("qwen3_embed_last")
+    assert m.pooling == "last"
+    assert [m.tokenize(t) for t in fx["texts"]] == fx["inputs"]
+    assert all(ids[-1] == m.tokenizer.eos_id for ids in fx["inputs"])
+    got = np.stack(m.embed(fx["texts"], normalize=False))
+    np.testing.assert_array_equal(got, np.stack(m.embed(fx["texts"], pooling="last",
+                                                        normalize=False)))
+    want = fx["vectors"]
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= COS_MIN, f"cosines {cos}"
+    # the vectors tell the texts apart although all end in the same EOS
+    unit = want / np.linalg.norm(want, axis=1, keepdims=True)
+    assert (unit @ unit.T)[np.triu_indices(len(unit), 1)].max() < 0.99
+    mean = np.stack(m.embed(fx["texts"], pooling="mean", normalize=False))
+    assert not np.allclose(mean, got)
+
+
+def test_no_eos_is_appended_where_the_tokenizer_adds_none(smollm_embedder):
+    """SmolLM2's tokenizer sets no add_eos_token: last pooling reads the text's own last
+    token, as llama.cpp's (which only warns, in its embedding example)."""
+    tok = smollm_embedder.tokenizer
+    assert not tok.add_eos
+    assert smollm_embedder.tokenize("Hello world") == tok.encode("Hello world", add_special=False)
 
 
 @pytest.mark.parametrize("name", ["bert", "nomic_bert"])
