@@ -64,9 +64,85 @@ def l2_normalize(v: np.ndarray) -> np.ndarray:
     return (v / np.where(norm > 0, norm, 1.0)).astype(np.float32)
 
 
+class EmbeddingRun:
+    """One embedding request's inputs, run a forward pass at a time, so that a scheduler can
+    put other work (decode steps) between its passes. The vectors do not depend on how the
+    inputs are grouped into passes."""
+
+    def __init__(self, runner, net, inputs: Seq[Seq[int]], pooling: str, budget: int, ctx: int,
+                 new_sequence, normalize: bool = True, block: int = 1):
+        """Args: as run_embeddings.
+
+        Raises:
+            BadSetting: an unknown pooling; EmptyPrompt: an input without tokens;
+            PromptTooLong: one beyond the context.
+        """
+        check_pooling(pooling)
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise EmptyPrompt(f"input {i} has no tokens", param="input")
+            if len(ids) > ctx:
+                raise PromptTooLong(f"input {i} has {len(ids)} tokens but the context holds "
+                                    f"{ctx}", param="input", n_tokens=len(ids), ctx=ctx)
+        self._runner, self._net, self._new_sequence = runner, net, new_sequence
+        self.inputs = [[int(t) for t in x] for x in inputs]
+        self.pooling, self.budget, self.normalize = pooling, max(1, budget), normalize
+        # Each input takes whole KV blocks while its pass runs.
+        self._sizes = [-(-len(x) // block) * block for x in self.inputs]
+        self.vectors: list[np.ndarray] = [None] * len(self.inputs)  # type: ignore[list-item]
+        self.passes = 0
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self.inputs)
+
+    def next_pass_tokens(self) -> int:
+        """KV tokens the next pass takes at least (its first input's whole blocks); 0 when
+        done."""
+        return 0 if self.done else self._sizes[self._next]
+
+    def step(self, limit: int | None = None) -> int:
+        """Run the next pass: the following inputs whose tokens fit the budget (and
+        ``limit``), the first one alone if it is longer.
+
+        Args:
+            limit: tokens this pass may take at most (the KV room left beside other work).
+        Returns:
+            How many inputs the pass embedded (0 when done).
+        """
+        cap = self.budget if limit is None else min(self.budget, max(1, limit))
+        group, used = [], 0
+        for i in range(self._next, len(self.inputs)):
+            if group and used + self._sizes[i] > cap:
+                break
+            group.append(i)
+            used += self._sizes[i]
+        if not group:
+            return 0
+        # A decoder reads only the rows it pools; an encoder's rows all come back (few).
+        rows = "last" if self.pooling == "last" and self._net.generates else "all"
+        seqs = [self._new_sequence() for _ in group]
+        try:
+            items = [StepItem(s, self.inputs[i], rows) for s, i in zip(seqs, group)]
+            hidden = self._runner.step(items, hidden=True)
+        finally:
+            for s in seqs:
+                s.release()
+        pooled = [pool(np.atleast_2d(h), self.pooling) for h in hidden]
+        if self.pooling == "rank":
+            pooled = list(self._net.classify(np.stack(pooled)))
+        for i, v in zip(group, pooled):
+            self.vectors[i] = l2_normalize(v) if self.normalize and self.pooling != "rank" \
+                else v
+        self._next = group[-1] + 1
+        self.passes += 1
+        return len(group)
+
+
 def run_embeddings(runner, net, inputs: Seq[Seq[int]], pooling: str, budget: int, ctx: int,
                    new_sequence, normalize: bool = True, block: int = 1) -> list[np.ndarray]:
-    """Pooled (and normalised) vectors of token inputs.
+    """Pooled (and normalised) vectors of token inputs, every pass run now.
 
     Args:
         runner: the model's Runner; net: its Net (for ``generates`` and ``classify``).
@@ -79,28 +155,8 @@ def run_embeddings(runner, net, inputs: Seq[Seq[int]], pooling: str, budget: int
     Raises:
         EmptyPrompt: an input without tokens; PromptTooLong: one beyond the context.
     """
-    check_pooling(pooling)
-    for i, ids in enumerate(inputs):
-        if not ids:
-            raise EmptyPrompt(f"input {i} has no tokens", param="input")
-        if len(ids) > ctx:
-            raise PromptTooLong(f"input {i} has {len(ids)} tokens but the context holds {ctx}",
-                                param="input", n_tokens=len(ids), ctx=ctx)
-    # A decoder reads only the rows it pools; an encoder's rows all come back (they are few).
-    rows = "last" if pooling == "last" and net.generates else "all"
-    out: list[np.ndarray] = [None] * len(inputs)  # type: ignore[list-item]
-    for group in batches([-(-len(x) // block) * block for x in inputs], budget):
-        seqs = [new_sequence() for _ in group]
-        try:
-            items = [StepItem(s, [int(t) for t in inputs[i]], rows) for s, i in zip(seqs, group)]
-            hidden = runner.step(items, hidden=True)
-        finally:
-            for s in seqs:
-                s.release()
-        pooled = [pool(np.atleast_2d(h), pooling) for h in hidden]
-        if pooling == "rank":
-            scores = net.classify(np.stack(pooled))
-            pooled = list(scores)
-        for i, v in zip(group, pooled):
-            out[i] = l2_normalize(v) if normalize and pooling != "rank" else v
-    return out
+    run = EmbeddingRun(runner, net, inputs, pooling, budget, ctx, new_sequence, normalize,
+                       block)
+    while not run.done:
+        run.step()
+    return run.vectors

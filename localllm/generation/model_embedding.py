@@ -9,7 +9,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from localllm.errors import UnsupportedModel
-from localllm.generation.embedding import check_pooling, run_embeddings
+from localllm.generation.embedding import EmbeddingRun, check_pooling
 from localllm.models.common import pooling_type
 from localllm.runtime.sequence import check_tokens
 from localllm.text.fim import ExtraFile, infill_tokens
@@ -45,6 +45,20 @@ class EmbeddingMixin:
             BadSetting: an unknown pooling; EmptyPrompt, PromptTooLong, TokenOutOfVocab:
             an input without tokens, beyond the context, or with unknown ids.
         """
+        run = self.start_embed(inputs, pooling, normalize, add_special)
+        while not run.done:
+            run.step()
+        return run.vectors
+
+    def start_embed(self, inputs: Seq[str] | Seq[Seq[int]], pooling: str | None = None,
+                    normalize: bool = True, add_special: bool = True) -> EmbeddingRun:
+        """embed()'s work, not yet run: the caller runs its passes one ``step()`` at a time
+        (a server puts decode steps between them) until ``done``, then reads ``vectors``.
+
+        Args, Raises: as embed().
+        Returns:
+            An EmbeddingRun; its ``inputs`` are the token ids of each input.
+        """
         p = check_pooling(pooling or self.pooling)
         if isinstance(inputs, str):  # one text, not its characters
             inputs = [inputs]
@@ -56,8 +70,8 @@ class EmbeddingMixin:
         # Each pass reserves KV blocks for its tokens (an encoder's stay unwritten): at most
         # the pool's size.
         budget = min(max(self.settings.batch_size, 512), self._pool_tokens)
-        return run_embeddings(self._runner, self.net, ids, p, budget, self.ctx,
-                              self.new_sequence, normalize, self.settings.kv_block_size)
+        return EmbeddingRun(self._runner, self.net, ids, p, budget, self.ctx,
+                            self.new_sequence, normalize, self.settings.kv_block_size)
 
     def rerank_tokens(self, query: str, document: str) -> list[int]:
         """The tokens of one (query, document) pair as llama-server builds them: the file's
