@@ -3,17 +3,19 @@ classification head), and /infill (llama-server's fill-in-the-middle fields)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from localllm.text.fim import ExtraFile
 
-from .common import ServerState, event_stream, new_id, respond, sse, total_usage, usage_body
+from .common import (DISCONNECT_POLL_S, ServerState, event_stream, new_id, respond, sse,
+                     total_usage, usage_body)
 from .errors import APIError
 from .runs import Event, Finished, GenerationSpec, Piece, Prompt
 from .schemas import ChatFields, _Body
@@ -111,13 +113,21 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     st.check_model(body.model)
     inputs = body.inputs()
 
-    def run(m):
+    facts: dict = {}
+
+    def start(m):
         if m.pooling == "rank":
             raise APIError(400, "this model is a reranker: use /v1/rerank", "invalid_value",
                            "model")
-        ids = [m.tokenize(x) if isinstance(x, str) else x for x in inputs]
-        return ids, m.embed(ids), m.args.dim, _matryoshka(m)
-    ids, vectors, dim, matryoshka = await st.scheduler.call(run)
+        facts.update(dim=m.args.dim, matryoshka=_matryoshka(m))
+        return m.start_embed(inputs)
+
+    # A pass per scheduler turn, between the decode steps of the streams in flight.
+    done = await _passes(st, request, start, lambda run: (run.inputs, run.vectors))
+    if done is None:
+        return Response(status_code=499)   # the client left; its passes stopped
+    ids, vectors = done
+    dim, matryoshka = facts["dim"], facts["matryoshka"]
     if body.dimensions is not None and body.dimensions != dim and not matryoshka:
         raise APIError(400, f"dimensions: this model's embeddings have {dim} dimensions and "
                             "cannot be shortened (it is not a Matryoshka model)",
@@ -129,6 +139,27 @@ async def embeddings(body: EmbeddingRequest, request: Request):
         "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+async def _passes(st: ServerState, request: Request, start, finish):
+    """``finish(passes)`` of work the scheduler runs a pass per turn, or None (and no
+    further pass run) if the client disconnects first.
+
+    Raises:
+        APIError: the work failed, or the server cannot take it.
+    """
+    work = st.scheduler.submit_passes(start, finish)
+    try:
+        while True:
+            done, _ = await asyncio.wait({work.future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return work.future.result()
+            if await request.is_disconnected():
+                work.cancel()
+                return None
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
 
 
 def _matryoshka(m) -> bool:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .errors import APIError, busy, request_error
 from .metrics import Gauges, Metrics
@@ -59,6 +59,36 @@ class Job:
         self._scheduler.cancel(self)
 
 
+class Passes(Protocol):
+    """Work that runs a forward pass at a time (an embedding request's EmbeddingRun)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def next_pass_tokens(self) -> int: ...
+
+    def step(self, limit: int | None = None) -> int: ...
+
+
+class Work:
+    """A request the worker runs one pass per turn, between the generation steps (so a large
+    embedding request never stalls the streams in flight); its result settles ``future``."""
+
+    def __init__(self, start: Callable[[Any], Passes], finish: Callable[[Passes], Any],
+                 loop: asyncio.AbstractEventLoop, scheduler: "Scheduler"):
+        self.start = start            # model -> Passes, on the worker (tokenizing, checks)
+        self.finish = finish          # the finished Passes -> the result, on the worker
+        self.run: Passes | None = None
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.cancelled = threading.Event()
+        self._scheduler = scheduler
+
+    def cancel(self) -> None:
+        """The client has gone: run no further pass."""
+        self._scheduler.cancel_work(self)
+
+
 @dataclass
 class _Call:
     fn: Callable[[Any], Any]
@@ -102,6 +132,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._calls: deque[_Call] = deque()
+        self._works: deque[Work] = deque()
         self.batcher: Batcher | None = None
         self.constraints = Constraints()
         self._thread = threading.Thread(target=self._main, name="localllm-worker", daemon=True)
@@ -149,6 +180,32 @@ class Scheduler:
             self._calls.append(_Call(fn, loop, future))
             self._cond.notify()
         return await future
+
+    def submit_passes(self, start: Callable[[Any], Passes],
+                      finish: Callable[[Passes], Any]) -> Work:
+        """Queue work that runs a forward pass per turn beside the running generations (the
+        oldest such work first); await ``work.future`` for ``finish(passes)``.
+
+        Args:
+            start: builds the Passes from the model (on the worker: it may tokenize).
+            finish: the result from the Passes once they are done (on the worker).
+        Raises:
+            APIError: 503 while loading or when stopping.
+        """
+        work = Work(start, finish, asyncio.get_running_loop(), self)
+        with self._cond:
+            self._refuse_unless_ready()
+            self._works.append(work)
+            self._cond.notify()
+        return work
+
+    def cancel_work(self, work: Work) -> None:
+        """Forget pass-wise work: no pass of it runs after the one running now."""
+        with self._cond:
+            work.cancelled.set()
+            if work in self._works:
+                self._works.remove(work)
+            self._cond.notify()
 
     def cancel(self, job: Job) -> None:
         """Forget a waiting job now; a running one stops before the next step."""
@@ -200,21 +257,26 @@ class Scheduler:
         self.state = "stopped"
 
     def _turn(self) -> bool:
-        """One pass of the worker: short calls, cancellations, admissions, then one step of
-        every running request together. Returns False once the server is stopping and every
-        request has been ended."""
+        """One pass of the worker: short calls, cancellations, admissions, one step of every
+        running request together, then one pass of the oldest pass-wise work. Returns False
+        once the server is stopping and every request has been ended."""
         with self._cond:
-            while not (self._calls or self._waiting or self._active or self.state == "stopping"):
+            while not (self._calls or self._waiting or self._active or self._works
+                       or self.state == "stopping"):
                 self._cond.wait()
             calls, self._calls = list(self._calls), deque()
             stopping = self.state == "stopping"
-            waiting = []
+            waiting, works = [], []
             if stopping:
                 waiting, self._waiting = list(self._waiting), deque()
+                works, self._works = list(self._works), deque()
             active = list(self._active)
         for c in calls:
             self._run_call(c)
         if stopping:
+            for w in works:
+                _deliver(w.loop, w.future, error=APIError(503, "the server is shutting down",
+                                                          "server_unavailable"))
             for job in active + waiting:
                 if job.run is not None and job.run.started:
                     self._end(job)
@@ -231,7 +293,42 @@ class Scheduler:
             self.batcher.step()
         for job in list(self._active):
             self._advance(job)
+        self._work_pass()
         return True
+
+    def _work_pass(self) -> None:
+        """One forward pass of the oldest pass-wise work, after the generations' step: it
+        takes only KV blocks left free, and beside running generations at most a prompt
+        chunk's tokens (one longer input alone), so each stream still gets a token a turn."""
+        with self._cond:
+            if not self._works:
+                return
+            work = self._works[0]
+        try:
+            if work.run is None:
+                work.run = work.start(self.model)
+            run = work.run
+            if not run.done:
+                room = self._free_blocks() * self._block_size()
+                if self.batcher.active:
+                    if run.next_pass_tokens() > room:
+                        return  # its next input waits for the generations' blocks
+                    room = min(room, self.batcher.token_budget)
+                run.step(room)
+            if not run.done:
+                return
+            result = work.finish(run)
+        except Exception as e:  # noqa: BLE001 - the request fails, never the worker
+            self._end_work(work)
+            _deliver(work.loop, work.future, error=request_error(e))
+            return
+        self._end_work(work)
+        _deliver(work.loop, work.future, result)
+
+    def _end_work(self, work: Work) -> None:
+        with self._cond:
+            if work in self._works:
+                self._works.remove(work)
 
     def _admit(self) -> None:
         """Start waiting requests in arrival order while there are slots, and KV room for
