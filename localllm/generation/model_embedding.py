@@ -102,11 +102,23 @@ class EmbeddingMixin:
         Raises:
             UnsupportedModel: not a reranker (its pooling is not rank).
         """
+        run = self.start_rerank(query, documents)
+        while not run.done:
+            run.step()
+        return [float(v[0]) for v in run.vectors]
+
+    def start_rerank(self, query: str, documents: Seq[str]) -> EmbeddingRun:
+        """rerank()'s work, not yet run (as start_embed): each document's score is
+        ``vectors[i][0]`` once it is done.
+
+        Raises:
+            UnsupportedModel: not a reranker (its pooling is not rank).
+        """
         if self.pooling != "rank":
             raise UnsupportedModel(f"this model pools by {self.pooling}, not rank: it is not a "
                                    "reranker", param="model")
         pairs = [self.rerank_tokens(query, d) for d in documents]
-        return [float(v[0]) for v in self.embed(pairs, pooling="rank")]
+        return self.start_embed(pairs, pooling="rank")
 
     def infill_tokens(self, prefix: str | Seq[str | int], suffix: str | Seq[str | int],
                       extra: Seq[ExtraFile] = (), prompt: str = "", n_predict: int = -1,

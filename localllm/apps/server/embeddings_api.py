@@ -183,10 +183,11 @@ async def rerank(body: RerankRequest, request: Request):
     st.check_model(body.model)
     query, docs = body.query, body.documents
 
-    def run(m):
-        pairs = [m.rerank_tokens(query, d) for d in docs]
-        return pairs, m.rerank(query, docs)
-    pairs, scores = await st.scheduler.call(run)
+    done = await _passes(st, request, lambda m: m.start_rerank(query, docs),
+                         lambda run: (run.inputs, [float(v[0]) for v in run.vectors]))
+    if done is None:
+        return Response(status_code=499)
+    pairs, scores = done
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:body.top_n or len(docs)]
     results = []
     for i in order:
