@@ -8,6 +8,7 @@ llama.cpp's own formats of the same names (llama-chat.cpp).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -124,9 +125,16 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: Any = None, sort_keys: bool = False) -> str:
-    # transformers' tojson: no HTML escaping, unicode kept
+    # transformers' tojson: no HTML escaping, unicode kept; what a filter such as map or
+    # select yields (a generator) is written as the list it yields, as minja does
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+                      sort_keys=sort_keys, default=_json_sequence)
+
+
+def _json_sequence(x: Any) -> list:
+    if isinstance(x, (str, bytes, Mapping)) or not hasattr(x, "__iter__"):
+        raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+    return list(x)
 
 
 def _cstrip(s: Any) -> str:
@@ -290,8 +298,10 @@ class ChatTemplate:
                 sandbox, or went past its limits (time, sizes, range, repetition).
         """
         context = dict(extra)
-        context.update(messages=messages, add_generation_prompt=add_generation_prompt,
-                       tools=tools, bos_token=self.bos_token, eos_token=self.eos_token)
+        # copies: a template may append to or pop from lists (namespace queues), never the
+        # caller's
+        context.update(messages=copy.deepcopy(messages),
+                       add_generation_prompt=add_generation_prompt, tools=copy.deepcopy(tools), bos_token=self.bos_token, eos_token=self.eos_token)
         try:
             with self._env.rendering() as budget:
                 parts, size = [], 0

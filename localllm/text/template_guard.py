@@ -226,6 +226,15 @@ class GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         self.globals.pop("lipsum", None)
         self.concat = self._join  # the buffers of macros, blocks and {% set %}...{% endset %}
 
+    # list methods templates use on lists of their own (Kimi K2's queue of call ids); the
+    # render's inputs are copies, each call checks the budget, and growth is one item a call
+    LIST_METHODS = frozenset({"append", "pop"})
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if isinstance(obj, list) and attr in self.LIST_METHODS:
+            return jinja2.sandbox.SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
+        return super().is_safe_attribute(obj, attr, value)
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # jinja hands back an Undefined that prints as ""; an attack is stopped with a
         # clear error instead (real templates never reach Python internals).

@@ -132,9 +132,26 @@ def test_cve_2024_34359_payload_is_blocked(payload, tmp_path):
     assert not mark.exists()
 
 
-def test_sandbox_is_immutable():
-    with pytest.raises(TemplateError):
-        ChatTemplate("{% set x = messages.append(1) %}", "t").render([])
+def test_sandbox_is_immutable_but_for_list_append_and_pop_on_copies():
+    """Dicts, strings and every other list method stay immutable; append and pop (Kimi K2's
+    queue of call ids) work, on copies of the inputs, never the caller's."""
+    for source in ("{% set x = messages[0].update({'a': 1}) %}",
+                   "{% set x = messages.extend([1]) %}", "{% set x = messages.clear() %}",
+                   "{% set x = messages.sort() %}", "{% set x = messages[0].pop('role') %}"):
+        with pytest.raises(TemplateError):
+            ChatTemplate(source, "t").render([{"role": "user", "content": "hi"}])
+    msgs = [{"role": "user", "content": "hi"}]
+    queue = ("{% set ns = namespace(ids=[]) %}{% set _ = ns.ids.append('a') %}"
+             "{% set _ = ns.ids.append('b') %}{{ ns.ids.pop(0) }}{{ ns.ids | tojson }}"
+             "{% set _ = messages.append(1) %}{{ messages | length }}")
+    assert ChatTemplate(queue, "t").render(msgs) == 'a["b"]2'
+    assert msgs == [{"role": "user", "content": "hi"}]
+
+
+def test_tojson_writes_a_filters_generator_as_a_list():
+    source = "{{ tools | map(attribute='function') | map(attribute='name') | tojson }}"
+    tools = [{"function": {"name": "f"}}, {"function": {"name": "g"}}]
+    assert ChatTemplate(source, "t").render([], tools=tools) == '["f", "g"]'
 
 
 def test_render_with_spans_protects_typed_control_tokens(metas):

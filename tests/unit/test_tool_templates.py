@@ -78,14 +78,10 @@ UNSUPPORTED = {
 }
 # Templates that take tools yet do not render the test conversation, with why.
 RENDER_FAILS = {
-    "llama-cpp-deepseek-r1.jinja":
-        "`tools | map(attribute='function') | tojson`: our tojson refuses map's generator",
     "CohereForAI-c4ai-command-r-plus-tool_use.jinja":
         "reads tool.description at the top level (Cohere's own tool shape, not OpenAI's)",
     "fireworks-ai-llama-3-firefunction-v2.jinja":
         "reads a `functions` variable of its own instead of `tools`",
-    "Kimi-K2-Instruct.jinja": "calls list.append, which the immutable sandbox refuses",
-    "Kimi-K2-Thinking.jinja": "calls list.append, which the immutable sandbox refuses",
 }
 # Formats whose templates write calls into history as the model writes them, so that the
 # template's own text for an assistant's calls must parse back; templates of these formats
