@@ -25,26 +25,6 @@ def check_pooling(pooling: str) -> str:
     return pooling
 
 
-def batches(lengths: Seq[int], budget: int) -> list[list[int]]:
-    """Consecutive inputs grouped so each group's tokens fit ``budget`` (a longer input
-    alone), in order.
-
-    Args:
-        lengths: tokens of each input; budget: tokens per forward pass.
-    Returns:
-        Lists of input indices.
-    """
-    out: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if not out or used + n > budget:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += n
-    return out
-
-
 def pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
     """One input's final hidden states (n, dim) pooled: mean over tokens, the first (cls,
     rank) or last token, or every token (none)."""
