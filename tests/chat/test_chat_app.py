@@ -3,12 +3,14 @@ stopping, branches, settings, files, a full context, keys and copies."""
 
 import asyncio
 import json
+import threading
 
 import pytest
 
 pytest.importorskip("textual", reason="llm chat needs the chat extra (textual)")
 
 from localllm.apps.tui.app import ChatApp, ChatOptions  # noqa: E402
+from localllm.apps.tui.events import ReplyChunk  # noqa: E402
 from localllm.apps.tui.export import to_json  # noqa: E402
 from localllm.apps.tui.pilot import say, until  # noqa: E402
 from localllm.apps.tui.store import Store  # noqa: E402
@@ -34,9 +36,34 @@ class ObservedApp(ChatApp):
     each class in the hierarchy, so ChatApp's own still shows them)."""
 
     chunks = 0
+    hold_after: int | None = None    # the engine thread waits after posting this many pieces
+    posted = 0
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.released = threading.Event()
 
     def on_reply_chunk(self, event):
         self.chunks += 1
+
+    def post_message(self, message) -> bool:
+        # Posted from the engine thread: holding it there makes a stop land mid-reply however
+        # fast the model writes (a 135M model can finish 300 tokens before the UI catches up).
+        ok = super().post_message(message)
+        if isinstance(message, ReplyChunk) and self.hold_after is not None \
+                and threading.current_thread() is not threading.main_thread():
+            self.posted += 1
+            if self.posted >= self.hold_after:
+                self.released.wait(60)
+        return ok
+
+    async def stop_mid_reply(self, pilot, key: str) -> None:
+        """Press ``key`` while the engine thread is held after its third piece, then let it
+        go on: it must see the stop before it writes another token."""
+        await until(pilot, lambda: self.chunks >= 3)
+        await pilot.press(key)
+        self.released.set()
+        await until(pilot, lambda: not self.generating)
 
 
 @pytest.fixture
@@ -104,14 +131,13 @@ def test_two_messages_stream_and_the_second_reuses_the_first(make_app, model):
 
 def test_escape_stops_a_reply_and_keeps_its_text(make_app):
     app = make_app()
+    app.hold_after = 3
 
     async def script(pilot):
         await say(pilot, "/set max_tokens 300")
         app.prompt_box.set_text("Write a long story about a dragon who learns to bake bread.")
         await pilot.press("enter")
-        await until(pilot, lambda: app.chunks >= 3)
-        await pilot.press("escape")
-        await until(pilot, lambda: not app.generating)
+        await app.stop_mid_reply(pilot, "escape")
         reply = app.conv.path()[-1]
         assert reply.role == "assistant" and reply.content.strip()
         assert reply.meta["finish_reason"] == "cancelled"
@@ -126,13 +152,12 @@ def test_escape_stops_a_reply_and_keeps_its_text(make_app):
 
 def test_ctrl_c_stops_once_and_quits_twice(make_app):
     app = make_app(sampling={"max_tokens": 300})
+    app.hold_after = 3
 
     async def script(pilot):
         app.prompt_box.set_text("Write a long story about a dragon who learns to bake bread.")
         await pilot.press("enter")
-        await until(pilot, lambda: app.chunks >= 3)
-        await pilot.press("ctrl+c")
-        await until(pilot, lambda: not app.generating)
+        await app.stop_mid_reply(pilot, "ctrl+c")
         assert app.conv.path()[-1].meta["finish_reason"] == "cancelled"
         assert app.return_code is None     # one Ctrl+C only stops the reply
         await pilot.press("ctrl+c")
