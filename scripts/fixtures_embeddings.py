@@ -2,8 +2,8 @@
 
 Synthetic `bert`, `nomic-bert` and reranker GGUFs (localllm/testing/synthetic_encoders.py,
 SmolLM2's tokenizer), a synthetic Qwen3-Embedding-like decoder (pooling from its file) and the
-real SmolLM2 file under mean and last pooling, each run through llama-cpp-python with
-embedding=True on our own token ids (so the fixture checks the model, not the tokenizer; the
+real SmolLM2 file and an F32 copy of its weights (its Q4_1 tensors dequantized) under mean
+and last pooling, each run through llama-cpp-python with embedding=True on our own token ids (so the fixture checks the model, not the tokenizer; the
 decoder embedder's ids are checked against llama.cpp's tokenizer here), raw (unnormalised)
 vectors stored with the file's digest. Then llama-server's /infill prompts for a few
 vocabularies and orders (infill.json, infill_variants.json).
@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from localllm.formats import fetch  # noqa: E402
 from localllm.formats.gguf import GGUFFile  # noqa: E402
 from localllm.testing import synthetic, synthetic_encoders as se  # noqa: E402
+from localllm.testing.gguf_copy import copy_gguf  # noqa: E402
 from localllm.text.tokenizer import Tokenizer  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "embeddings"
@@ -41,6 +42,7 @@ DOCS = ["Paris is the capital and largest city of France.", "Bananas are yellow.
 CASES = {"bert": ("bert", "mean"), "bert_cls": ("bert_cls", "cls"),
          "nomic_bert": ("nomic_bert", "mean"), "bert_q8": ("bert_q8", "last"), "bert_rank": ("bert_rank", "rank"),
          "smollm_mean": ("smollm", "mean"), "smollm_last": ("smollm", "last"),
+         "smollm_f32_mean": ("smollm_f32", "mean"), "smollm_f32_last": ("smollm_f32", "last"),
          "qwen3_embed_last": ("qwen3_embed", "last")}
 # cases llama.cpp runs with the pooling its file names (LLAMA_POOLING_TYPE_UNSPECIFIED),
 # checking that it is the one given above
@@ -148,6 +150,10 @@ def write_embeddings(case: str, d: Path, smollm: Path, meta: dict, tok: Tokenize
     model, pooling = CASES[case]
     if model == "smollm":
         path = smollm
+    elif model == "smollm_f32":
+        path = d / "smollm_f32.gguf"
+        if not path.exists():
+            copy_gguf(smollm, path, requant=("Q4_1", "F32"))
     elif model == "qwen3_embed":
         path = se.write_qwen3_embedding(d / "qwen3_embed.gguf", meta)
     else:

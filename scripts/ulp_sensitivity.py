@@ -11,7 +11,13 @@ the floor under any agreement figure between two implementations that are not
 bit-identical: every matmul re-quantizes its input to 8 bits, so the smallest difference
 sometimes crosses a rounding boundary and grows from there.
 
-  python scripts/ulp_sensitivity.py [--threads N]
+With --embed, the same floor for SmolLM2's pooled embeddings (the fixtures' texts, mean and
+last pooling): the cosine of localllm against itself nudged, of llama.cpp against itself
+with flash attention on and off and with an F32 instead of an F16 KV cache, of localllm
+against llama.cpp, and of the two on an F32 copy of the same weights, where no activation
+is rounded to 8 bits (needs llama-cpp-python).
+
+  python scripts/ulp_sensitivity.py [--threads N] [--embed]
 """
 
 from __future__ import annotations
@@ -61,11 +67,82 @@ def greedy_agreement(m, prompts, nudged_rows: str) -> float:
     return hits / total
 
 
+def llama_cpp_pooled(path, inputs: list[list[int]], pooling: str, threads: int,
+                     **params) -> np.ndarray:
+    """llama.cpp's raw pooled vectors, each input decoded alone (as the fixtures are)."""
+    import ctypes
+
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), embedding=True, n_ctx=512, n_batch=512, n_ubatch=512,
+                          n_threads=threads, n_threads_batch=threads, verbose=False,
+                          pooling_type={"mean": 1, "last": 3}[pooling], **params)
+    out = []
+    for ids in inputs:
+        llm._batch.reset()
+        llm._ctx.kv_cache_clear()
+        llm._batch.add_sequence(ids, 0, True)
+        llm._ctx.decode(llm._batch)
+        ptr = llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, 0)
+        out.append(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                         shape=(llm.n_embd(),)).copy())
+    llm.close()
+    return np.stack(out)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def embedding_floor(threads: int) -> None:
+    import tempfile
+
+    from localllm.formats import fetch
+    from localllm.testing.gguf_copy import copy_gguf
+    path = fetch.resolve_model_path(MODELS["smollm"], None, download=False)
+    fixtures = ROOT / "tests" / "fixtures" / "embeddings"
+    print("| SmolLM2 Q4_1, cosine over the fixtures' texts | pooling | lowest | mean |")
+    print("|---|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as d:
+        f32 = copy_gguf(path, Path(d) / "smollm_f32.gguf", requant=("Q4_1", "F32"))
+        m = localllm.load(path, ctx_size=512, threads=threads)
+        m32 = localllm.load(f32, ctx_size=512, threads=threads)
+        for pooling in ("mean", "last"):
+            with np.load(fixtures / f"smollm_{pooling}.npz") as z:
+                inputs = json.loads(str(z["info"]))["inputs"]
+            ours = np.stack(m.embed(inputs, pooling=pooling, normalize=False))
+            undo = nudge(m)
+            nudged = np.stack(m.embed(inputs, pooling=pooling, normalize=False))
+            undo()
+            ref = llama_cpp_pooled(path, inputs, pooling, threads)
+            rows = [
+                ("localllm vs localllm with embeddings +1 ulp", cosines(ours, nudged)),
+                ("llama.cpp vs llama.cpp with flash attention",
+                 cosines(ref, llama_cpp_pooled(path, inputs, pooling, threads,
+                                               flash_attn=True))),
+                ("llama.cpp vs llama.cpp with an F32 KV cache",
+                 cosines(ref, llama_cpp_pooled(path, inputs, pooling, threads,
+                                               type_k=0, type_v=0))),
+                ("localllm vs llama.cpp", cosines(ours, ref)),
+                ("localllm vs llama.cpp, the weights in F32",
+                 cosines(np.stack(m32.embed(inputs, pooling=pooling, normalize=False)),
+                         llama_cpp_pooled(f32, inputs, pooling, threads))),
+            ]
+            for label, c in rows:
+                print(f"| {label} | {pooling} | {c.min():.7f} | {c.mean():.7f} |")
+        m.close()
+        m32.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--embed", action="store_true",
+                    help="the floor under embedding cosines instead (SmolLM2, mean and last)")
     args = ap.parse_args(argv)
+    if args.embed:
+        embedding_floor(args.threads)
+        return 0
     greedy = {}
     print("| | top-1 same | mean KL, nats |\n|---|---:|---:|")
     for name, model in MODELS.items():

@@ -1,6 +1,7 @@
 """Copies of a real GGUF file made with the gguf package: the first few layers only (a cheap
 draft model with the same vocabulary), or every tensor of one quant type requantized to
-another (e.g. a Q8_0 target from a Q4_1 file)."""
+another (e.g. a Q8_0 target from a Q4_1 file, or an F32 one: the same weights without the
+rounding of the activations a quantized matmul does)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def copy_gguf(src: str | Path, dst: str | Path, n_layers: int | None = None,
               requant: tuple[str, str] | None = None) -> Path:
     """Writes a copy of ``src``: with ``n_layers``, only the first that many blocks (the
     block count changed to match); with ``requant=(from, to)``, every ``from`` tensor
-    dequantized and quantized again as ``to`` (GGML type names, e.g. ("Q4_1", "Q8_0")).
+    dequantized and quantized again as ``to`` (GGML type names, e.g. ("Q4_1", "Q8_0"); "F32"
+    or "F16" stores the dequantized values).
 
     Returns:
         The path written.
@@ -41,7 +43,11 @@ def copy_gguf(src: str | Path, dst: str | Path, n_layers: int | None = None,
             continue
         if t.tensor_type == src_type:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
-            w.add_tensor(t.name, gguf.quants.quantize(values, dst_type), raw_dtype=dst_type)
+            if dst_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                w.add_tensor(t.name, values.astype(np.float32 if dst_type.name == "F32"
+                                                   else np.float16))
+            else:
+                w.add_tensor(t.name, gguf.quants.quantize(values, dst_type), raw_dtype=dst_type)
         elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             # numpy shape is the reverse of GGUF's dimension order
             w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
