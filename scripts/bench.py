@@ -153,17 +153,18 @@ def worker_llama(path: str, ids: list[int], threads: int, reps: int, depth: int,
         ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
 
-    saved = []
+    # The context is evaluated once and its state restored for every repetition, as
+    # localllm's repetitions fork the context's cached blocks instead of recomputing them.
+    context = None
+    if depth:
+        llm.reset()
+        llm.eval(ids[:depth])
+        context = llm.save_state()
 
     def at_depth():
-        # The context is evaluated once and its state restored for every repetition, as
-        # localllm's repetitions fork the context's cached blocks instead of recomputing them.
         llm.reset()
-        if depth and saved:
-            llm.load_state(saved[0])
-        elif depth:
-            llm.eval(ids[:depth])
-            saved.append(llm.save_state())
+        if context is not None:
+            llm.load_state(context)
     for n in PROMPT_SIZES:
         times = []
         for _ in range(reps):
