@@ -136,7 +136,66 @@ def _ol_unpack_chunk(w, ct):
 
 
 def prefetch_chunk(w, ct):
-    """Ask for chunk-tile ``ct``'s quant bytes ahead of use (its scales are much smaller)."""
+    """Ask for chunk-tile ``ct``'s bytes ahead of use: its quant bytes, its high bits and its
+    scales. Each array is a stream of its own; the hardware prefetcher alone leaves a decode
+    step (each weight byte read once) well under the memory's streaming rate."""
+
+
+# Bytes per chunk-tile of the arrays beside qs (a superblock's scales d/dmin: 16 rows x f16
+# per 8 chunks; sc/mn: 16 rows x a byte per sub-block).
+_HB_CHUNK = {P.PackedQ3_K: 64, P.PackedQ5_0: 64, P.PackedQ5_1: 64, P.PackedQ5_K: 64,
+             P.PackedQ6_K: 128}
+_SC_CHUNK = {P.PackedQ2_K: 32, P.PackedQ3_K: 32, P.PackedQ6_K: 32, P.PackedQ4_K: 16,
+             P.PackedQ5_K: 16, P.PackedIQ4_XS: 16}
+
+
+def _prefetch_hb(w, ct):
+    """The high-bit bytes of chunk-tile ``ct`` (formats that have them)."""
+
+
+@overload(_prefetch_hb, inline="always")
+def _ol_prefetch_hb(w, ct):
+    lines = _HB_CHUNK.get(w.instance_class, 0) // 64
+    if not lines:
+        return lambda w, ct: None
+
+    def fetch(w, ct):
+        for j in range(lines):
+            prefetch(w.hb, (ct * lines + j) * 64)
+    return fetch
+
+
+def _prefetch_scales(w, ct):
+    """The scales chunk-tile ``ct`` reads: per chunk for 32-blocks, per sub-block and per
+    superblock for the 256-superblock formats."""
+
+
+@overload(_prefetch_scales, inline="always")
+def _ol_prefetch_scales(w, ct):
+    cls = w.instance_class
+    sc = _SC_CHUNK.get(cls, 0)
+    if sc == 0:  # a 32-block format: d (and m) per chunk-tile
+        d_bytes = 64 if cls is P.PackedMXFP4 else 32
+        if "m" in cls._fields:
+            def fetch_dm(w, ct):
+                prefetch(w.d, ct * d_bytes)
+                prefetch(w.m, ct * 32)
+            return fetch_dm
+        return lambda w, ct: prefetch(w.d, ct * d_bytes)
+    if "mn" in cls._fields:
+        def fetch_min(w, ct):
+            prefetch(w.sc, ct * sc)
+            prefetch(w.mn, ct * sc)
+            if ct % 8 == 0:
+                prefetch(w.d, (ct // 8) * 32)
+                prefetch(w.dmin, (ct // 8) * 32)
+        return fetch_min
+
+    def fetch_sc(w, ct):
+        prefetch(w.sc, ct * sc)
+        if ct % 8 == 0:
+            prefetch(w.d, (ct // 8) * 32)
+    return fetch_sc
 
 
 @overload(prefetch_chunk, inline="always")
@@ -149,4 +208,6 @@ def _ol_prefetch_chunk(w, ct):
         o = ct * size
         for j in range(lines):
             prefetch(w.qs, o + 64 * j)
+        _prefetch_hb(w, ct)
+        _prefetch_scales(w, ct)
     return fetch
