@@ -81,6 +81,15 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
     n, K = xq.shape
     nb = K // 32
     Np = out.shape[1]
+    if n == 1:  # a decode step: the same sums, kept in registers
+        a = vf_zero()
+        for b in range(nb):
+            i = tile * nb + b
+            prefetch_chunk(w, i + PREFETCH_AHEAD)
+            isum = dot(w, unpack_chunk(w, i), xq, b * 32, None, vi_bcast4(xs, b * 4))
+            a = vf_add(a, block_term(w, isum, block_scales(w, i), dx, xs, sx, b * 4))
+        vf_store(out, tile * 64, a)
+        return
     # Sums build up in a small local buffer (L1) rather than in the strided rows of out.
     acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
     for t0 in range(0, n, TOKENS_PER_PASS):
@@ -194,6 +203,20 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
     nsb = K // 256
     Np = out.shape[1]
     step = sub_scale_offset(w)
+    if n == 1:  # a decode step: the same sums, kept in registers
+        a = vf_zero()
+        for sb in range(nsb):
+            sbi = tile * nsb + sb
+            isum = vi_zero()
+            for c in range(8):
+                prefetch_chunk(w, sbi * 8 + c + PREFETCH_AHEAD)
+                part = chunk_part(w, unpack_chunk(w, sbi * 8 + c),
+                                  chunk_scales(w, sbi * 8 * step + c * step), xq,
+                                  sb * 256 + c * 32, bsum, (sb * 16 + 2 * c) * 4)
+                isum = part if c == 0 else vi_add(isum, part)
+            a = vf_add(a, super_term(w, isum, sbi, dx, sb * 4, bsum, sb * 64))
+        vf_store(out, tile * 64, a)
+        return
     iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
     acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
     for t0 in range(0, n, TOKENS_PER_PASS):
