@@ -67,6 +67,9 @@ class LoadSettings:
     cpu_moe: bool = False              # every layer's experts on the CPU
     n_cpu_moe: int = 0                 # the experts of the first N layers on the CPU
     override_tensor: tuple = ()        # "REGEX=BACKEND" rules (CPU or GPU), as llama.cpp's -ot
+    # MB of packed copies of the experts read from the file (most recently used kept);
+    # None: half the memory free beyond 1 GiB at the first MoE layer, at most all of them
+    expert_cache_mb: float | None = None
     models_dir: str | None = None      # model cache directory override
     download: bool = True              # fetch known model names when not cached
     weight_cache: bool = False         # also keep repacked weights on disk (a second copy)
@@ -115,7 +118,9 @@ def physical_cores() -> int:
 def _make_cpu_backend(settings: LoadSettings) -> CpuBackend:
     from localllm.backends.cpu import CpuBackend
     cache = fetch.cache_dir(settings.models_dir).parent / "packed" if settings.weight_cache else None
-    return CpuBackend(weight_cache=cache)
+    mb = settings.expert_cache_mb
+    return CpuBackend(weight_cache=cache,
+                      expert_cache=None if mb is None else int(max(0.0, mb) * 1e6))
 
 
 def plan_request(settings: LoadSettings, ctx: int) -> PlanRequest:

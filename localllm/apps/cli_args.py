@@ -60,6 +60,10 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
                    help="keep every layer's experts (ffn_*_exps) on the CPU")
     p.add_argument("--n-cpu-moe", type=int, default=0, metavar="N",
                    help="keep the experts of the first N layers on the CPU")
+    p.add_argument("--expert-cache-mb", type=float, default=None, metavar="MB",
+                   help="packed copies of the experts read from the file, most recently used "
+                        "kept, up to MB (0: none, every use reads the file's layout; default: "
+                        "half the memory free beyond 1 GiB, at most all the experts)")
     p.add_argument("-ot", "--override-tensor", action="append", default=[],
                    metavar="REGEX=BACKEND",
                    help="put tensors whose name matches REGEX on BACKEND (CPU or GPU), "
@@ -84,8 +88,12 @@ def model_settings(args) -> dict:
 
 def split_settings(args) -> dict:
     """LoadSettings fields of the CPU/GPU split options."""
+    if args.expert_cache_mb is not None and not args.expert_cache_mb >= 0:
+        raise BadSetting(f"--expert-cache-mb must be >= 0, got {args.expert_cache_mb:g}",
+                         param="expert_cache_mb")
     return dict(backend=args.backend, gpu_layers=gpu_layers_option(args.gpu_layers),
                 cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
+                expert_cache_mb=args.expert_cache_mb,
                 override_tensor=tuple(args.override_tensor))
 
 

@@ -115,14 +115,18 @@ class CpuBackend:
     copies_weights = True  # matrices are repacked, so the file's pages can be dropped
     recurrent = True
 
-    def __init__(self, fused: bool = True, weight_cache: str | os.PathLike | None = None):
+    def __init__(self, fused: bool = True, weight_cache: str | os.PathLike | None = None,
+                 expert_cache: int | None = None):
         """The kernels' thread count and the allocator are the process's, set by
         ``configure_process``.
 
         Args:
             fused: run decoder blocks as one kernel call (same bits as op by op).
             weight_cache: directory for repacked-weight files reused across loads (None: off).
+            expert_cache: bytes of packed copies kept of mapped experts (cpu_moe.ExpertPools;
+                None: half the memory available beyond 1 GiB when the first MoE layer runs).
         """
+        self.expert_pools = cpu_moe.ExpertPools(expert_cache)
         self._rope = RopeTables()  # cos/sin per RopeSpec, grown as positions are seen
         self._blocks: dict[int, tuple] = {}
         self._weight_cache = weight_cache
@@ -191,8 +195,11 @@ class CpuBackend:
 
     def upload_experts(self, name, type_name, raw, n_experts, N, K, done=None):
         if cpu_moe.can_map(type_name, N, K):
-            # the file's pages are the weights: ``done`` is not told, so they stay mapped
-            return cpu_moe.map_experts(type_name, raw, n_experts, N, K)
+            # the file's pages are the weights; ``done`` drops an expert's pages once the
+            # expert pool holds a packed copy
+            w = cpu_moe.map_experts(type_name, raw, n_experts, N, K, done)
+            self.expert_pools.register(w)
+            return w
         w = cpu_moe.pack_experts(type_name, raw, n_experts, N, K, done)
         self._held += w.nbytes
         return w
@@ -200,7 +207,9 @@ class CpuBackend:
     def upload_expert_halves(self, name, type_name, raw, n_experts, N, K, done=None):
         if cpu_moe.can_map(type_name, 2 * N, K):
             # one mapped stack of 2N rows; moe_ffn computes both halves in one matmul
-            return cpu_moe.map_expert_halves(type_name, raw, n_experts, N, K)
+            halves = cpu_moe.map_expert_halves(type_name, raw, n_experts, N, K, done)
+            self.expert_pools.register(halves[0])
+            return halves
         return copy_expert_halves(self, name, type_name, raw, n_experts, N, K, done)
 
     def upload_vector(self, values):
@@ -362,7 +371,7 @@ class CpuBackend:
         return x
 
     def moe_ffn(self, x, w, spec):
-        return cpu_moe.moe_ffn(x, w, spec)
+        return cpu_moe.moe_ffn(x, w, spec, self.expert_pools)
 
     def layer_norm(self, x, weight, bias, eps):
         out = np.empty_like(x)

@@ -11,7 +11,9 @@ token's result as it would be alone.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -20,6 +22,7 @@ from localllm.kernels import mapped as mapped_k
 from localllm.kernels import matmul as mm
 from localllm.kernels import moe as moe_k
 from localllm.kernels import ops
+from localllm.kernels import packing as P
 
 from .host import expert_biases, route_tokens
 
@@ -40,6 +43,9 @@ class Experts:
     # 0 or 1: the first or second N rows of a fused stack of 2N (``parts`` and ``stacked``
     # are the whole fused stack's, shared by both halves); -1: a stack of its own
     half: int = -1
+    # mapped: release(start, end) drops that byte range of the stack from this process's
+    # resident pages (the file keeps it), once an expert has a packed copy; None: kept
+    release: Callable[[int, int], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -65,12 +71,13 @@ def can_map(type_name: str, N: int, K: int) -> bool:
     return mapped_k.can_map(type_name, N, K)
 
 
-def map_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int) -> Experts:
+def map_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int,
+                release=None) -> Experts:
     """Zero-copy views of a GGUF 3-D expert tensor, expert by expert.
 
     Args:
         type_name: GGML type; raw: the tensor's bytes (a view of the mapped file);
-            n_experts, N, K: its shape.
+            n_experts, N, K: its shape; release: see ``Experts.release``.
     Returns:
         Experts with ``mapped`` set.
     """
@@ -84,16 +91,132 @@ def map_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int)
     if stacked.flags.writeable:
         stacked = stacked.view()
         stacked.flags.writeable = False
-    return Experts(type_name, N, K, parts, mapped=True, stacked=stacked)
+    return Experts(type_name, N, K, parts, mapped=True, stacked=stacked, release=release)
 
 
 def map_expert_halves(type_name: str, raw: np.ndarray, n_experts: int, N: int,
-                      K: int) -> tuple[Experts, Experts]:
+                      K: int, release=None) -> tuple[Experts, Experts]:
     """A fused GGUF stack (n_experts of 2N rows: each expert's first N, then its second N)
     mapped once, as its two halves (see ``Experts.half``)."""
-    whole = map_experts(type_name, raw, n_experts, 2 * N, K)
+    whole = map_experts(type_name, raw, n_experts, 2 * N, K, release)
     return tuple(Experts(type_name, N, K, whole.parts, mapped=True, stacked=whole.stacked,
-                         half=h) for h in range(2))
+                         half=h, release=release) for h in range(2))
+
+
+class ExpertPool:
+    """Packed copies of one mapped stack's most recently used experts, in a fixed number of
+    slots (least recently used first out).
+
+    The slots are one packed weight of ``capacity`` x (the stack's rows), expert copy s
+    from tile s * n_tiles, so a decode step's experts run in one parallel region with the
+    packed kernels; their bits are those of the mapped path (which forms the same tiles on
+    the fly, at a tenth of the speed). Its pages are touched only as slots fill.
+    """
+
+    def __init__(self, experts: Experts, capacity: int):
+        self.type_name = experts.type_name
+        self.rows3 = experts.stacked            # (n_experts, rows, row bytes), the file's
+        rows, self.K = self.rows3.shape[1], experts.K
+        self.n_tiles = rows // P.ROWS
+        self.capacity = capacity
+        fields = P._alloc(self.type_name, capacity * rows, self.K)
+        if self.type_name in ("IQ4_NL", "IQ4_XS"):
+            fields["lut"] = P._IQ4_LUT
+        elif self.type_name == "MXFP4":
+            fields["lut"] = P._MXFP4_LUT
+        self.fields = fields
+        self.packed = P.packed_class(self.type_name)(**fields)
+        self.nbytes = sum(a.nbytes for k, a in fields.items() if k != "lut")
+        self._release = experts.release
+        self._slot_of: OrderedDict[int, int] = OrderedDict()
+        self._free = list(range(capacity - 1, -1, -1))
+        self.hits = 0
+        self.misses = 0
+
+    def slots(self, ids) -> np.ndarray:
+        """The slots holding experts ``ids`` (at most ``capacity`` distinct), packing those
+        not held in place of the least recently used others."""
+        ids = [int(e) for e in ids]
+        need = set(ids)
+        out = np.empty(len(ids), np.int64)
+        for j, e in enumerate(ids):
+            s = self._slot_of.get(e)
+            if s is not None:
+                self._slot_of.move_to_end(e)
+                self.hits += 1
+            else:
+                if self._free:
+                    s = self._free.pop()
+                else:
+                    old = next(o for o in self._slot_of if o not in need)
+                    s = self._slot_of.pop(old)
+                P._pack_slab(self.type_name, self.rows3[e], self.K, s * self.n_tiles,
+                             self.fields)
+                if self._release is not None:
+                    per = self.rows3.shape[1] * self.rows3.shape[2]
+                    self._release(e * per, (e + 1) * per)
+                self._slot_of[e] = s
+                self.misses += 1
+            out[j] = s
+        return out
+
+
+class ExpertPools:
+    """The packed expert copies of one model's mapped stacks, within a byte budget shared
+    in proportion to each stack's size.
+
+    A stack whose share holds fewer experts than a token uses gets no pool (its experts
+    are then formed tile by tile from the file at every use)."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget        # bytes; None: decided at first use from free memory
+        self._pools: dict[int, ExpertPool | None] = {}
+        self._stacks: dict[int, Experts] = {}
+
+    def register(self, experts: Experts) -> None:
+        """A mapped stack of the model being loaded."""
+        if experts.mapped:
+            self._stacks[id(experts.stacked)] = experts
+
+    def _packed_nbytes(self, e: Experts) -> int:
+        rows = e.stacked.shape[1]
+        fields = P._alloc(e.type_name, P.ROWS, e.K)
+        per_tile = sum(a.nbytes for a in fields.values())
+        return rows // P.ROWS * per_tile
+
+    def resolve_budget(self) -> int:
+        """The budget in bytes: as set, or half the memory available beyond 1 GiB, at most
+        what every registered stack's experts take packed."""
+        total = sum(self._packed_nbytes(e) * e.stacked.shape[0] for e in self._stacks.values())
+        if self.budget is None:
+            import psutil
+            free = psutil.virtual_memory().available - (1 << 30)
+            self.budget = int(min(total, max(0, free // 2)))
+        return self.budget
+
+    def pool(self, experts: Experts, k: int) -> ExpertPool | None:
+        """The pool of a mapped stack (None: none, or a share too small for k experts)."""
+        key = id(experts.stacked)
+        if key in self._pools:
+            return self._pools[key]
+        self.register(experts)
+        budget = self.resolve_budget()
+        total = sum(e.stacked.nbytes for e in self._stacks.values())
+        share = budget * experts.stacked.nbytes // max(1, total)
+        capacity = min(experts.stacked.shape[0], share // self._packed_nbytes(experts))
+        pool = ExpertPool(experts, int(capacity)) if capacity >= max(1, k) else None
+        self._pools[key] = pool
+        return pool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for the pools (touched only as their slots fill)."""
+        return sum(p.nbytes for p in self._pools.values() if p is not None)
+
+    def stats(self) -> tuple[int, int]:
+        """(hits, misses) over every pool."""
+        pools = [p for p in self._pools.values() if p is not None]
+        return sum(p.hits for p in pools), sum(p.misses for p in pools)
 
 
 def pack_experts(type_name: str, raw: np.ndarray, n_experts: int, N: int, K: int,
@@ -149,7 +272,33 @@ def glu(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class _Pooled:
+    """Expert ``expert`` of a pooled stack, as one matrix."""
+    pool: ExpertPool
+    expert: int
+
+    @property
+    def type_name(self) -> str:
+        return self.pool.type_name
+
+
+def _pool_matmul(pool: ExpertPool, ids, act: mm.QuantActivations) -> np.ndarray:
+    """out[j] = act row j (or its only row) @ W_{ids[j]}.T from the pool's packed copies."""
+    slots = pool.slots(ids)
+    out = np.empty((len(ids), pool.n_tiles * P.ROWS), np.float32)
+    mapped_k.pool_stack_kernel(pool.packed, slots, pool.n_tiles, act.q32 or mm._NO_Q32,
+                               act.q256 or mm._NO_Q256, act.x, out)
+    return out
+
+
 def _matmul(w, act: mm.QuantActivations, mapped: bool) -> np.ndarray:
+    if isinstance(w, _Pooled):
+        slot = int(w.pool.slots([w.expert])[0])
+        out = np.empty((act.x.shape[0], w.pool.n_tiles * P.ROWS), np.float32)
+        mapped_k.pool_matmul_kernel(w.pool.packed, slot, w.pool.n_tiles,
+                                    act.q32 or mm._NO_Q32, act.q256 or mm._NO_Q256, act.x, out)
+        return out
     return mapped_k.matmul_mapped(w, act) if mapped else mm.matmul(w, act)
 
 
@@ -178,7 +327,16 @@ def _swiglu(act: mm.QuantActivations, gate, up, down, activation: str,
     return y
 
 
-def _one_token(act, w, groups, k: int, activation: str) -> np.ndarray:
+def _stack(experts: Experts, ids, act, pools, k: int) -> np.ndarray:
+    """out[j] = act row j (or its only row) @ expert ids[j]'s whole stacked matrix, from the
+    stack's pool of packed copies when it has one, else formed from the file."""
+    pool = pools.pool(experts, k) if pools is not None else None
+    if pool is not None:
+        return _pool_matmul(pool, ids, act)
+    return mapped_k.matmul_stack(experts.type_name, experts.stacked, ids, act)
+
+
+def _one_token(act, w, groups, k: int, activation: str, pools=None) -> np.ndarray:
     """A decode step's k experts, each matrix kind in one parallel region (mapped stacks):
     the bits of the expert-by-expert loop, as every row is computed and quantized alone.
     Returns: float32 (k, dim), slot j's output at row j."""
@@ -186,21 +344,29 @@ def _one_token(act, w, groups, k: int, activation: str) -> np.ndarray:
     for e, pairs in groups:
         ids[pairs] = e
     if fused(w.gate, w.up):  # both halves in one region
-        g, u = _split(mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act),
-                      w.gate.N)
+        g, u = _split(_stack(w.gate, ids, act, pools, k), w.gate.N)
     else:
-        g = mapped_k.matmul_stack(w.gate.type_name, w.gate.stacked, ids, act)
-        u = mapped_k.matmul_stack(w.up.type_name, w.up.stacked, ids, act)
+        g = _stack(w.gate, ids, act, pools, k)
+        u = _stack(w.up, ids, act, pools, k)
     h = _quantize_for(glu(g, u, activation), [w.down.parts[0]])
-    return mapped_k.matmul_stack(w.down.type_name, w.down.stacked, ids, h)
+    return _stack(w.down, ids, h, pools, k)
 
 
-def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
+def _pooled_parts(w, e: int, pools, k: int) -> tuple:
+    """Expert e's gate, up and down as _matmul takes them: pooled where the stack has a
+    pool, else the stack's own parts."""
+    def part(experts):
+        pool = pools.pool(experts, k) if pools is not None and experts.mapped else None
+        return _Pooled(pool, e) if pool is not None else experts.parts[e]
+    return part(w.gate), part(w.up), part(w.down)
+
+
+def moe_ffn(x: np.ndarray, w, spec, pools: ExpertPools | None = None) -> np.ndarray:
     """The backend's ``moe_ffn`` (see backends/base.py) on numpy arrays.
 
     Args:
         x: float32 (n, dim) normed hidden states; w: MoEWeights of packed Weights and
-            Experts; spec: MoESpec.
+            Experts; spec: MoESpec; pools: packed copies of mapped experts (None: none).
     Returns:
         float32 (n, dim).
     """
@@ -221,14 +387,14 @@ def moe_ffn(x: np.ndarray, w, spec) -> np.ndarray:
     weights, groups = route_tokens(logits, spec, w.down_scale)
     mapped = (w.gate.mapped, w.up.mapped, w.down.mapped)
     if n == 1 and all(mapped) and w.gate_bias is None:
-        y = _one_token(act, w, groups, k, spec.activation)
+        y = _one_token(act, w, groups, k, spec.activation, pools)
     else:
         y = np.empty((n * k, dim), np.float32)
         rows = w.gate.N if fused(w.gate, w.up) else 0
         for e, pairs in groups:
-            y[pairs] = _swiglu(_rows(act, pairs // k), w.gate.parts[e], w.up.parts[e],
-                               w.down.parts[e], spec.activation, expert_biases(w, e), mapped,
-                               rows)
+            gate, up, down = _pooled_parts(w, e, pools, k)
+            y[pairs] = _swiglu(_rows(act, pairs // k), gate, up, down, spec.activation,
+                               expert_biases(w, e), mapped, rows)
     shared, shared_gate = _NO_SHARED, _NO_GATE
     if w.shared_up is not None:
         shared = _swiglu(act, w.shared_gate, w.shared_up, w.shared_down, spec.activation)

@@ -19,7 +19,7 @@ from localllm.formats import quants
 
 from . import packing as P
 from .jit import njit
-from .matmul import _NO_Q32, _NO_Q256, QuantActivations, matmul_tile, needs
+from .matmul import _NO_Q32, _NO_Q256, QuantActivations, matmul_tile, matmul_tile_at, needs
 
 # Quantized formats whose tiles can be formed on the fly (float weights are transposed by
 # numpy at packing time, and stay packed).
@@ -220,3 +220,28 @@ def matmul_stack(type_name: str, rows3: np.ndarray, ids: np.ndarray,
                         fields.get("sc", empty), fields.get("mn", empty),
                         act.q32 or _NO_Q32, act.q256 or _NO_Q256, act.x, out, tmp)
     return out
+
+
+# ----------------------------------------------------------------------------- expert pools
+
+@njit(parallel=True, cache=True, nogil=True)
+def pool_stack_kernel(pool, slots, n_tiles, a32, a256, x, out):
+    """out[j] = x[j] (x[0] for every j when x has one row) @ W.T for the packed matrix of
+    ``n_tiles`` tiles held in slot ``slots[j]`` of ``pool`` (a packed weight of many such
+    matrices, slot s from tile s * n_tiles): all (j, tile) pairs in one parallel region."""
+    n_items = slots.shape[0] * n_tiles
+    for item in prange(n_items):
+        j = item // n_tiles
+        t = item % n_tiles
+        r = 0 if x.shape[0] == 1 else j
+        matmul_tile_at(pool, slots[j] * n_tiles + t, t,
+                       (a32[0][r:r + 1], a32[1][r:r + 1], a32[2][r:r + 1], a32[3][r:r + 1]),
+                       (a256[0][r:r + 1], a256[1][r:r + 1], a256[2][r:r + 1]),
+                       x[r:r + 1], out[j:j + 1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def pool_matmul_kernel(pool, slot, n_tiles, a32, a256, x, out):
+    """out = x @ W.T for the packed matrix in slot ``slot`` of ``pool`` (every row of x)."""
+    for t in prange(n_tiles):
+        matmul_tile_at(pool, slot * n_tiles + t, t, a32, a256, x, out)

@@ -76,19 +76,28 @@ def _ol_block_term(w, isum, s, dx, xs, sx, o):
 
 
 @njit(cache=True)
-def tile_blocks32(w, tile, xq, dx, xs, sx, out):
-    """out[:, 16*tile : 16*tile+16] = x @ W[tile rows].T for a 32-block format."""
+def _token_blocks32(w, tile, xq, dx, xs, sx, out, col):
+    """tile_blocks32 for one token: the same sums in the same order, kept in registers
+    (no scratch buffer to fill and read back)."""
+    K = xq.shape[1]
+    nb = K // 32
+    a = vf_zero()
+    for b in range(nb):
+        i = tile * nb + b
+        prefetch_chunk(w, i + PREFETCH_AHEAD)
+        isum = dot(w, unpack_chunk(w, i), xq, b * 32, None, vi_bcast4(xs, b * 4))
+        a = vf_add(a, block_term(w, isum, block_scales(w, i), dx, xs, sx, b * 4))
+    vf_store(out, col * 64, a)
+
+
+@njit(cache=True)
+def tile_blocks32(w, tile, xq, dx, xs, sx, out, col):
+    """out[:, 16*col : 16*col+16] = x @ W[tile rows].T for a 32-block format."""
     n, K = xq.shape
     nb = K // 32
     Np = out.shape[1]
-    if n == 1:  # a decode step: the same sums, kept in registers
-        a = vf_zero()
-        for b in range(nb):
-            i = tile * nb + b
-            prefetch_chunk(w, i + PREFETCH_AHEAD)
-            isum = dot(w, unpack_chunk(w, i), xq, b * 32, None, vi_bcast4(xs, b * 4))
-            a = vf_add(a, block_term(w, isum, block_scales(w, i), dx, xs, sx, b * 4))
-        vf_store(out, tile * 64, a)
+    if n == 1:  # a decode step
+        _token_blocks32(w, tile, xq, dx, xs, sx, out, col)
         return
     # Sums build up in a small local buffer (L1) rather than in the strided rows of out.
     acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
@@ -108,7 +117,7 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out):
                 term = block_term(w, isum, s, dx, xs, sx, o)
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
         for t in range(t0, t1):
-            vf_store(out, (t * Np + tile * 16) * 4, vf_load(acc, (t - t0) * 64))
+            vf_store(out, (t * Np + col * 16) * 4, vf_load(acc, (t - t0) * 64))
 
 
 # ----------------------------------------------------------------------------- 256-wide superblocks
@@ -197,25 +206,34 @@ def _ol_super_term(w, isum, sbi, dx, do, bsum, bo):
 
 
 @njit(cache=True)
-def tile_superblocks(w, tile, xq, dx, bsum, out):
-    """out[:, 16*tile : 16*tile+16] = x @ W[tile rows].T for a 256-superblock format."""
+def _token_superblocks(w, tile, xq, dx, bsum, out, col):
+    """tile_superblocks for one token: the same sums in the same order, kept in registers."""
+    K = xq.shape[1]
+    nsb = K // 256
+    step = sub_scale_offset(w)
+    a = vf_zero()
+    for sb in range(nsb):
+        sbi = tile * nsb + sb
+        isum = vi_zero()
+        for c in range(8):
+            prefetch_chunk(w, sbi * 8 + c + PREFETCH_AHEAD)
+            part = chunk_part(w, unpack_chunk(w, sbi * 8 + c),
+                              chunk_scales(w, sbi * 8 * step + c * step), xq,
+                              sb * 256 + c * 32, bsum, (sb * 16 + 2 * c) * 4)
+            isum = vi_add(isum, part)
+        a = vf_add(a, super_term(w, isum, sbi, dx, sb * 4, bsum, sb * 64))
+    vf_store(out, col * 64, a)
+
+
+@njit(cache=True)
+def tile_superblocks(w, tile, xq, dx, bsum, out, col):
+    """out[:, 16*col : 16*col+16] = x @ W[tile rows].T for a 256-superblock format."""
     n, K = xq.shape
     nsb = K // 256
     Np = out.shape[1]
     step = sub_scale_offset(w)
-    if n == 1:  # a decode step: the same sums, kept in registers
-        a = vf_zero()
-        for sb in range(nsb):
-            sbi = tile * nsb + sb
-            isum = vi_zero()
-            for c in range(8):
-                prefetch_chunk(w, sbi * 8 + c + PREFETCH_AHEAD)
-                part = chunk_part(w, unpack_chunk(w, sbi * 8 + c),
-                                  chunk_scales(w, sbi * 8 * step + c * step), xq,
-                                  sb * 256 + c * 32, bsum, (sb * 16 + 2 * c) * 4)
-                isum = part if c == 0 else vi_add(isum, part)
-            a = vf_add(a, super_term(w, isum, sbi, dx, sb * 4, bsum, sb * 64))
-        vf_store(out, tile * 64, a)
+    if n == 1:  # a decode step
+        _token_superblocks(w, tile, xq, dx, bsum, out, col)
         return
     iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
     acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
@@ -243,7 +261,7 @@ def tile_superblocks(w, tile, xq, dx, bsum, out):
                 ao = (t - t0) * 64
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
         for t in range(t0, t1):
-            vf_store(out, (t * Np + tile * 16) * 4, vf_load(acc, (t - t0) * 64))
+            vf_store(out, (t * Np + col * 16) * 4, vf_load(acc, (t - t0) * 64))
 
 
 # ----------------------------------------------------------------------------- float weights
@@ -404,9 +422,23 @@ def _ol_matmul_tile(w, tile, a32, a256, x, out):
         return lambda w, tile, a32, a256, x, out: tile_float(w, np.int64(tile), x, out)
     if cls.__name__[6:] in P.SUPERBLOCK_FORMATS:
         return lambda w, tile, a32, a256, x, out: tile_superblocks(
-            w, np.int64(tile), a256[0], a256[1], a256[2], out)
+            w, np.int64(tile), a256[0], a256[1], a256[2], out, np.int64(tile))
     return lambda w, tile, a32, a256, x, out: tile_blocks32(
-        w, np.int64(tile), a32[0], a32[1], a32[2], a32[3], out)
+        w, np.int64(tile), a32[0], a32[1], a32[2], a32[3], out, np.int64(tile))
+
+
+def matmul_tile_at(w, tile, col, a32, a256, x, out):
+    """matmul_tile of a quantized weight, its 16 outputs written at columns 16*col.. of out
+    (a tile of a larger packed array, such as a pool of experts, into an output of its own)."""
+
+
+@overload(matmul_tile_at, inline="always")
+def _ol_matmul_tile_at(w, tile, col, a32, a256, x, out):
+    if w.instance_class.__name__[6:] in P.SUPERBLOCK_FORMATS:
+        return lambda w, tile, col, a32, a256, x, out: tile_superblocks(
+            w, np.int64(tile), a256[0], a256[1], a256[2], out, np.int64(col))
+    return lambda w, tile, col, a32, a256, x, out: tile_blocks32(
+        w, np.int64(tile), a32[0], a32[1], a32[2], a32[3], out, np.int64(col))
 
 
 def _pairs_float(w) -> bool:

@@ -348,3 +348,16 @@ def test_llm_run_on_gptoss_with_the_harmony_template(tmp_path, metas):
     r = llm("run", str(path), "-p", "What is 5+5?", "-n", "12", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
+
+
+def test_llm_run_takes_an_expert_cache_size(moe_files):
+    """--expert-cache-mb 0 reads every expert from the file's layout, the default keeps
+    packed copies: the same greedy text either way; a negative size is refused."""
+    from support.cli import llm
+    path = str(moe_files["qwen3moe"])
+    outs = [llm("run", path, "-p", "Experts", "-n", "8", "--temp", "0", *extra)
+            for extra in ((), ("--expert-cache-mb", "0"), ("--expert-cache-mb", "0.5"))]
+    assert all(r.returncode == 0 for r in outs), [r.stderr for r in outs]
+    assert outs[0].stdout == outs[1].stdout == outs[2].stdout and outs[0].stdout.strip()
+    r = llm("run", path, "-p", "x", "--expert-cache-mb", "-1")
+    assert r.returncode == 2 and "--expert-cache-mb must be >= 0" in r.stderr

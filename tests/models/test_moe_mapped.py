@@ -127,3 +127,90 @@ def test_a_model_whose_own_memory_does_not_fit_is_refused_naming_the_numbers(moe
         assert f"{cpu.weight_bytes / _GIB:.2f} GiB of its own for weights" in msg
         assert f"{cpu.file_bytes / _GIB:.2f} GiB read from the model file in place" in msg
         assert f"{(need - 1) / _GIB:.2f} GiB is available" in msg
+
+
+def _pool_budget(w, capacity: int) -> int:
+    """A budget whose share for each of the layer's stacks holds ``capacity`` experts
+    (the stacks of one layer are registered alone, so the shares are exact)."""
+    pools = cpu_moe.ExpertPools(0)
+    return sum(capacity * pools._packed_nbytes(s) for s in (w.gate, w.up, w.down))
+
+
+def test_pooled_experts_give_the_mapped_bits_and_evict_the_least_recent(model):
+    """Packed copies of the experts in use compute the file's bits, prompt chunk or decode
+    step, while the pool's slots are refilled in least-recently-used order."""
+    la = model.net.layers[1]
+    w = la.weights.moe
+    spec = la.spec.moe
+    k = spec.n_used
+    released = []
+    gate = dataclasses.replace(w.gate, release=lambda a, b: released.append((a, b)))
+    w = dataclasses.replace(w, gate=gate)
+    pools = cpu_moe.ExpertPools(_pool_budget(w, k + 1))
+    for s in (w.gate, w.up, w.down):
+        pools.register(s)
+    x = np.random.default_rng(5).standard_normal((29, w.gate.K)).astype(np.float32)
+    want = cpu_moe.moe_ffn(x, w, spec)
+    assert np.array_equal(cpu_moe.moe_ffn(x, w, spec, pools).view(np.uint32),
+                          want.view(np.uint32))
+    pool = pools.pool(w.gate, k)
+    assert pool.capacity == k + 1 and pools.nbytes > 0
+    hits, misses = pools.stats()
+    assert misses > 3 * (k + 1)  # the chunk used more experts than fit: slots were reused
+    for t in range(12):  # decode steps, one token each, refilling and reusing slots
+        one = cpu_moe.moe_ffn(x[t:t + 1], w, spec, pools)
+        assert np.array_equal(one.view(np.uint32), want[t:t + 1].view(np.uint32)), t
+    before = pools.stats()
+    again = cpu_moe.moe_ffn(x[11:12], w, spec, pools)  # the same experts: all held
+    assert pools.stats()[1] == before[1] and pools.stats()[0] == before[0] + 3 * k
+    assert np.array_equal(again.view(np.uint32), want[11:12].view(np.uint32))
+    per = w.gate.stacked.shape[1] * w.gate.stacked.shape[2]
+    assert released and all(b - a == per and a % per == 0 for a, b in released)
+
+
+def test_a_pool_refills_its_least_recently_used_slot(model):
+    w = model.net.layers[0].weights.moe.gate
+    pool = cpu_moe.ExpertPool(w, 3)
+    x = np.random.default_rng(8).standard_normal((1, w.K)).astype(np.float32)
+    act = mm.quantize(x, True, w.K % 256 == 0)  # Q4_0 gate experts: 32-blocks
+
+    def check(ids, hit):
+        h, m = pool.hits, pool.misses
+        got = cpu_moe._pool_matmul(pool, ids, act)
+        assert (pool.hits - h, pool.misses - m) == (hit, len(ids) - hit), ids
+        want = mapped.matmul_stack(w.type_name, w.stacked, np.asarray(ids), act)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), ids
+    check([0, 1, 2], 0)
+    check([0], 1)
+    check([3], 0)     # 1 was used least recently: its slot takes 3
+    check([1], 0)     # then 2's
+    check([0, 3], 2)
+    check([2, 1], 1)  # 2 comes back in place of 0
+    check([0], 0)
+
+
+def test_a_pool_share_below_a_tokens_experts_falls_back_to_the_file(model):
+    la = model.net.layers[0]
+    w = la.weights.moe
+    k = la.spec.moe.n_used
+    pools = cpu_moe.ExpertPools(_pool_budget(w, k - 1))
+    for s in (w.gate, w.up, w.down):
+        pools.register(s)
+    assert pools.pool(w.gate, k) is None and pools.nbytes == 0
+    x = np.random.default_rng(6).standard_normal((3, w.gate.K)).astype(np.float32)
+    want = cpu_moe.moe_ffn(x, w, la.spec.moe)
+    got = cpu_moe.moe_ffn(x, w, la.spec.moe, pools)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert cpu_moe.ExpertPools(0).resolve_budget() == 0
+
+
+def test_the_model_decodes_from_its_pools(model):
+    """A load's backend pools its mapped experts (budget from free memory): decoding the
+    same text twice packs nothing the second time, and gives the same tokens."""
+    pools = model.backend.expert_pools
+    first = model.generate("The pool", max_tokens=6, temperature=0, speculate=False)
+    a = [c.tokens for c in first]
+    misses = pools.stats()[1]
+    second = model.generate("The pool", max_tokens=6, temperature=0, speculate=False)
+    assert [c.tokens for c in second] == a
+    assert pools.stats()[1] == misses and pools.nbytes > 0
