@@ -115,7 +115,9 @@ def test_typing_a_message_in_a_real_terminal(terminal, tmp_path, smollm_path):
     (_, prompt), (_, reply) = rows(db)
     assert prompt == "Hello\nthere\nfriend"
     t.wait(lambda: reply.splitlines()[0][:30] in t.screen(), "reply on screen")
-    assert "reused 0/" in t.screen() and "CPU 30/30 layers" in t.screen()
+    # The reply is stored before the status line takes its final figures: wait for them.
+    t.wait(lambda: "reused 0/" in t.screen(), "the finished reply's status line")
+    assert "CPU 30/30 layers" in t.screen()
     t.press("C-q")
     assert t.exited()
 
