@@ -119,13 +119,8 @@ class ExpertPool:
         rows, self.K = self.rows3.shape[1], experts.K
         self.n_tiles = rows // P.ROWS
         self.capacity = capacity
-        fields = P._alloc(self.type_name, capacity * rows, self.K)
-        if self.type_name in ("IQ4_NL", "IQ4_XS"):
-            fields["lut"] = P._IQ4_LUT
-        elif self.type_name == "MXFP4":
-            fields["lut"] = P._MXFP4_LUT
+        self.packed, fields = mapped_k._scratch(self.type_name, capacity * self.n_tiles, self.K)
         self.fields = fields
-        self.packed = P.packed_class(self.type_name)(**fields)
         self.nbytes = sum(a.nbytes for k, a in fields.items() if k != "lut")
         self._release = experts.release
         self._slot_of: OrderedDict[int, int] = OrderedDict()

@@ -141,12 +141,12 @@ def prefetch_chunk(w, ct):
     step (each weight byte read once) well under the memory's streaming rate."""
 
 
-# Bytes per chunk-tile of the arrays beside qs (a superblock's scales d/dmin: 16 rows x f16
-# per 8 chunks; sc/mn: 16 rows x a byte per sub-block).
-_HB_CHUNK = {P.PackedQ3_K: 64, P.PackedQ5_0: 64, P.PackedQ5_1: 64, P.PackedQ5_K: 64,
-             P.PackedQ6_K: 128}
-_SC_CHUNK = {P.PackedQ2_K: 32, P.PackedQ3_K: 32, P.PackedQ6_K: 32, P.PackedQ4_K: 16,
-             P.PackedQ5_K: 16, P.PackedIQ4_XS: 16}
+def _chunk_bytes(cls) -> tuple[int, int, int]:
+    """Bytes per chunk-tile of a packed format's qs, hb and sc arrays (packing's layout:
+    sc holds 16 rows x a byte per sub-block, 8 chunks to a superblock)."""
+    name = cls.__name__[len("Packed"):]
+    n_sc = P._N_SC[P._CODE[name]] if name in P._CODE else 0
+    return P._QS_BYTES.get(name, 256), P._HB_BYTES.get(name, 0), 2 * n_sc
 
 
 def _prefetch_hb(w, ct):
@@ -155,7 +155,7 @@ def _prefetch_hb(w, ct):
 
 @overload(_prefetch_hb, inline="always")
 def _ol_prefetch_hb(w, ct):
-    lines = _HB_CHUNK.get(w.instance_class, 0) // 64
+    lines = _chunk_bytes(w.instance_class)[1] // 64
     if not lines:
         return lambda w, ct: None
 
@@ -173,7 +173,7 @@ def _prefetch_scales(w, ct):
 @overload(_prefetch_scales, inline="always")
 def _ol_prefetch_scales(w, ct):
     cls = w.instance_class
-    sc = _SC_CHUNK.get(cls, 0)
+    sc = _chunk_bytes(cls)[2]
     if sc == 0:  # a 32-block format: d (and m) per chunk-tile
         d_bytes = 64 if cls is P.PackedMXFP4 else 32
         if "m" in cls._fields:
@@ -200,8 +200,7 @@ def _ol_prefetch_scales(w, ct):
 
 @overload(prefetch_chunk, inline="always")
 def _ol_prefetch_chunk(w, ct):
-    cls = getattr(w, "instance_class", None)
-    size = {P.PackedQ8_0: 512, P.PackedQ2_K: 128, P.PackedQ3_K: 128}.get(cls, 256)
+    size = _chunk_bytes(w.instance_class)[0]
     lines = size // 64
 
     def fetch(w, ct):
