@@ -38,6 +38,13 @@ PREFETCH_AHEAD = 16    # chunk-tiles ahead whose bytes are requested early
 
 # ----------------------------------------------------------------------------- 32-wide blocks
 
+@njit
+def _unpack_one(w, ct):
+    """unpack_chunk as a call of its own (LLVM inlines it): two inline copies in one
+    function trip Numba's IR checks on some formats."""
+    return unpack_chunk(w, ct)
+
+
 def block_scales(w, i):
     """(d, m) vectors of block-tile ``i`` (m is zero for formats without a min)."""
 
@@ -105,17 +112,36 @@ def tile_blocks32(w, tile, xq, dx, xs, sx, out, col):
         t1 = min(n, t0 + TOKENS_PER_PASS)
         for t in range(t1 - t0):
             vf_store(acc, t * 64, vf_zero())
-        for b in range(nb):
+        # two blocks (one 64-byte line of each token's activations) per visit to a token,
+        # as in tile_superblocks; the sums still add up block by block in order
+        for b in range(0, nb - 1, 2):
             i = tile * nb + b
             prefetch_chunk(w, i + PREFETCH_AHEAD)
-            v = unpack_chunk(w, i)
+            prefetch_chunk(w, i + 1 + PREFETCH_AHEAD)
+            v0 = _unpack_one(w, i)
+            v1 = _unpack_one(w, i + 1)
+            s0 = block_scales(w, i)
+            s1 = block_scales(w, i + 1)
+            for t in range(t0, t1):
+                o = (t * nb + b) * 4
+                xo = t * K + b * 32
+                term0 = block_term(w, dot(w, v0, xq, xo, None, vi_bcast4(xs, o)),
+                                   s0, dx, xs, sx, o)
+                term1 = block_term(w, dot(w, v1, xq, xo + 32, None, vi_bcast4(xs, o + 4)),
+                                   s1, dx, xs, sx, o + 4)
+                ao = (t - t0) * 64
+                vf_store(acc, ao, vf_add(vf_add(vf_load(acc, ao), term0), term1))
+        if nb % 2:
+            b = nb - 1
+            i = tile * nb + b
+            v = _unpack_one(w, i)
             s = block_scales(w, i)
             for t in range(t0, t1):
                 o = (t * nb + b) * 4
                 isum = dot(w, v, xq, t * K + b * 32, None, vi_bcast4(xs, o))
                 ao = (t - t0) * 64
-                term = block_term(w, isum, s, dx, xs, sx, o)
-                vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
+                vf_store(acc, ao, vf_add(vf_load(acc, ao), block_term(w, isum, s, dx, xs,
+                                                                      sx, o)))
         for t in range(t0, t1):
             vf_store(out, (t * Np + col * 16) * 4, vf_load(acc, (t - t0) * 64))
 
@@ -205,6 +231,79 @@ def _ol_super_term(w, isum, sbi, dx, do, bsum, bo):
     return term_offset
 
 
+@njit(inline="always")
+def _i8_rows8(a, o):
+    """Eight 16-lane vectors of int8 (one per sub-block) from byte o of a."""
+    return (vi_load_i8(a, o), vi_load_i8(a, o + 16), vi_load_i8(a, o + 32),
+            vi_load_i8(a, o + 48), vi_load_i8(a, o + 64), vi_load_i8(a, o + 80),
+            vi_load_i8(a, o + 96), vi_load_i8(a, o + 112))
+
+
+@njit(inline="always")
+def _weighted_sums_of(scales, bsum, bo, n_sub):
+    """_weighted_bsums with the sub-block scale vectors already loaded (one tuple of 8, or
+    two of 8 for 16 sub-blocks): the same products summed in the same order."""
+    acc = vi_zero()
+    if n_sub == 16:
+        for j in range(8):
+            acc = vi_add(acc, vi_mul(scales[0][j], vi_bcast4(bsum, bo + 4 * j)))
+        for j in range(8):
+            acc = vi_add(acc, vi_mul(scales[1][j], vi_bcast4(bsum, bo + 32 + 4 * j)))
+    else:
+        for j in range(8):
+            s32 = vi_add(vi_bcast4(bsum, bo + 8 * j), vi_bcast4(bsum, bo + 8 * j + 4))
+            acc = vi_add(acc, vi_mul(scales[0][j], s32))
+    return acc
+
+
+def super_consts(w, sbi):
+    """The token-independent vectors of one superblock-tile's super_term (its f16 scales
+    and sub-block scales or mins), loaded once for every token of a pass."""
+
+
+@overload(super_consts, inline="always")
+def _ol_super_consts(w, sbi):
+    cls = w.instance_class
+    if cls in (P.PackedQ2_K, P.PackedQ4_K, P.PackedQ5_K):
+        if cls is P.PackedQ2_K:
+            return lambda w, sbi: (vf_load_f16(w.d, sbi * 32), vf_load_f16(w.dmin, sbi * 32),
+                                   (_i8_rows8(w.mn, sbi * 256),
+                                    _i8_rows8(w.mn, sbi * 256 + 128)))
+        return lambda w, sbi: (vf_load_f16(w.d, sbi * 32), vf_load_f16(w.dmin, sbi * 32),
+                               (_i8_rows8(w.mn, sbi * 128),))
+    if cls is P.PackedIQ4_XS:
+        return lambda w, sbi: (vf_load_f16(w.d, sbi * 32), vf_load_f16(w.d, sbi * 32),
+                               (_i8_rows8(w.sc, sbi * 128),))
+    return lambda w, sbi: (vf_load_f16(w.d, sbi * 32), vf_load_f16(w.d, sbi * 32),
+                           (_i8_rows8(w.sc, sbi * 256), _i8_rows8(w.sc, sbi * 256 + 128)))
+
+
+def super_term_of(w, consts, isum, dx, do, bsum, bo):
+    """super_term with its token-independent vectors from super_consts: the same bits."""
+
+
+@overload(super_term_of, inline="always")
+def _ol_super_term_of(w, consts, isum, dx, do, bsum, bo):
+    cls = w.instance_class
+    if cls in (P.PackedQ2_K, P.PackedQ4_K, P.PackedQ5_K):
+        n_sub = 16 if cls is P.PackedQ2_K else 8
+
+        def term_min(w, consts, isum, dx, do, bsum, bo):
+            msum = _weighted_sums_of(consts[2], bsum, bo, n_sub)
+            dxv = vf_bcast(dx, do)
+            return vf_sub(vf_mul(vf_mul(consts[0], dxv), vf_from_vi(isum)),
+                          vf_mul(vf_mul(consts[1], dxv), vf_from_vi(msum)))
+        return term_min
+    shift = {P.PackedQ6_K: 5, P.PackedQ3_K: 2, P.PackedIQ4_XS: 7}[cls]
+    n_sub = 8 if cls is P.PackedIQ4_XS else 16
+
+    def term_offset(w, consts, isum, dx, do, bsum, bo):
+        osum = _weighted_sums_of(consts[2], bsum, bo, n_sub)
+        total = vi_sub(isum, vi_sll(osum, shift))
+        return vf_mul(vf_mul(consts[0], vf_bcast(dx, do)), vf_from_vi(total))
+    return term_offset
+
+
 @njit(cache=True)
 def _token_superblocks(w, tile, xq, dx, bsum, out, col):
     """tile_superblocks for one token: the same sums in the same order, kept in registers."""
@@ -243,21 +342,31 @@ def tile_superblocks(w, tile, xq, dx, bsum, out, col):
             vf_store(acc, t * 64, vf_zero())
         for sb in range(nsb):
             sbi = tile * nsb + sb
-            for c in range(8):
-                prefetch_chunk(w, sbi * 8 + c + PREFETCH_AHEAD)
-                v = unpack_chunk(w, sbi * 8 + c)
-                scs = chunk_scales(w, sbi * 8 * step + c * step)
+            # two chunks (one 64-byte line of each token's activations) per visit to a
+            # token: a line is used once, so the tokens' lines, K bytes apart and hence in
+            # the same few L1 sets, need not survive a sweep over the pass
+            for c in range(0, 8, 2):
+                ct = sbi * 8 + c
+                prefetch_chunk(w, ct + PREFETCH_AHEAD)
+                prefetch_chunk(w, ct + 1 + PREFETCH_AHEAD)
+                v0 = _unpack_one(w, ct)
+                v1 = _unpack_one(w, ct + 1)
+                s0 = chunk_scales(w, sbi * 8 * step + c * step)
+                s1 = chunk_scales(w, sbi * 8 * step + (c + 1) * step)
                 for t in range(t0, t1):
-                    part = chunk_part(w, v, scs, xq, t * K + sb * 256 + c * 32,
-                                      bsum, (t * (K // 16) + sb * 16 + 2 * c) * 4)
+                    xo = t * K + sb * 256 + c * 32
+                    bo = (t * (K // 16) + sb * 16 + 2 * c) * 4
+                    part = vi_add(chunk_part(w, v0, s0, xq, xo, bsum, bo),
+                                  chunk_part(w, v1, s1, xq, xo + 32, bsum, bo + 8))
                     io = (t - t0) * 64
                     if c == 0:
                         vi_store(iacc, io, part)
                     else:
                         vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
+            consts = super_consts(w, sbi)
             for t in range(t0, t1):
-                term = super_term(w, vi_load(iacc, (t - t0) * 64), sbi,
-                                  dx, (t * nsb + sb) * 4, bsum, (t * (K // 16) + sb * 16) * 4)
+                term = super_term_of(w, consts, vi_load(iacc, (t - t0) * 64),
+                                     dx, (t * nsb + sb) * 4, bsum, (t * (K // 16) + sb * 16) * 4)
                 ao = (t - t0) * 64
                 vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
         for t in range(t0, t1):
