@@ -287,6 +287,22 @@ def _pool_matmul(pool: ExpertPool, ids, act: mm.QuantActivations) -> np.ndarray:
     return out
 
 
+def _pool_pair(a: ExpertPool, b: ExpertPool, ids, act: mm.QuantActivations):
+    """_pool_matmul of two pools of one format and shape (gate and up) in one region."""
+    slots_a, slots_b = a.slots(ids), b.slots(ids)
+    out_a = np.empty((len(ids), a.n_tiles * P.ROWS), np.float32)
+    out_b = np.empty_like(out_a)
+    mapped_k.pool_pair_kernel(a.packed, slots_a, b.packed, slots_b, a.n_tiles,
+                              act.q32 or mm._NO_Q32, act.q256 or mm._NO_Q256, act.x,
+                              out_a, out_b)
+    return out_a, out_b
+
+
+def _pairable(a: ExpertPool | None, b: ExpertPool | None) -> bool:
+    return (a is not None and b is not None and a.type_name == b.type_name
+            and a.n_tiles == b.n_tiles and a.K == b.K)
+
+
 def _matmul(w, act: mm.QuantActivations, mapped: bool) -> np.ndarray:
     if isinstance(w, _Pooled):
         slot = int(w.pool.slots([w.expert])[0])
@@ -338,8 +354,13 @@ def _one_token(act, w, groups, k: int, activation: str, pools=None) -> np.ndarra
     ids = np.empty(k, np.int64)
     for e, pairs in groups:
         ids[pairs] = e
+    pg = pu = None
+    if pools is not None and not fused(w.gate, w.up):
+        pg, pu = pools.pool(w.gate, k), pools.pool(w.up, k)
     if fused(w.gate, w.up):  # both halves in one region
         g, u = _split(_stack(w.gate, ids, act, pools, k), w.gate.N)
+    elif _pairable(pg, pu):  # gate and up pools in one region
+        g, u = _pool_pair(pg, pu, ids, act)
     else:
         g = _stack(w.gate, ids, act, pools, k)
         u = _stack(w.up, ids, act, pools, k)

@@ -241,6 +241,28 @@ def pool_stack_kernel(pool, slots, n_tiles, a32, a256, x, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def pool_pair_kernel(pool_a, slots_a, pool_b, slots_b, n_tiles, a32, a256, x, out_a, out_b):
+    """pool_stack_kernel of two pools of one format and shape (a layer's gate and up
+    experts) in one parallel region: out_a from pool_a and out_b from pool_b, each as
+    pool_stack_kernel gives it, so a decode step starts one region for both."""
+    half = np.int64(slots_a.shape[0] * n_tiles)
+    for item in prange(2 * half):
+        it = np.int64(item)  # prange's index is unsigned: keep the arithmetic in int64
+        second = it >= half
+        i = it - half if second else it
+        j = i // n_tiles
+        t = i % n_tiles
+        r = 0 if x.shape[0] == 1 else j
+        pool = pool_b if second else pool_a
+        slot = slots_b[j] if second else slots_a[j]
+        out = out_b if second else out_a
+        matmul_tile_at(pool, slot * n_tiles + t, t,
+                       (a32[0][r:r + 1], a32[1][r:r + 1], a32[2][r:r + 1], a32[3][r:r + 1]),
+                       (a256[0][r:r + 1], a256[1][r:r + 1], a256[2][r:r + 1]),
+                       x[r:r + 1], out[j:j + 1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def pool_matmul_kernel(pool, slot, n_tiles, a32, a256, x, out):
     """out = x @ W.T for the packed matrix in slot ``slot`` of ``pool`` (every row of x)."""
     for t in prange(n_tiles):

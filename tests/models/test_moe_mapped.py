@@ -155,6 +155,8 @@ def test_pooled_experts_give_the_mapped_bits_and_evict_the_least_recent(model):
                           want.view(np.uint32))
     pool = pools.pool(w.gate, k)
     assert pool.capacity == k + 1 and pools.nbytes > 0
+    # gate and up share a format here: a decode step runs both in one region
+    assert cpu_moe._pairable(pool, pools.pool(w.up, k))
     hits, misses = pools.stats()
     assert misses > 3 * (k + 1)  # the chunk used more experts than fit: slots were reused
     for t in range(12):  # decode steps, one token each, refilling and reusing slots
