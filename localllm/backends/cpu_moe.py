@@ -278,12 +278,15 @@ class _Pooled:
         return self.pool.type_name
 
 
+_NO_SLOTS = np.zeros(0, np.int64)
+
+
 def _pool_matmul(pool: ExpertPool, ids, act: mm.QuantActivations) -> np.ndarray:
     """out[j] = act row j (or its only row) @ W_{ids[j]}.T from the pool's packed copies."""
     slots = pool.slots(ids)
     out = np.empty((len(ids), pool.n_tiles * P.ROWS), np.float32)
-    mapped_k.pool_stack_kernel(pool.packed, slots, pool.n_tiles, act.q32 or mm._NO_Q32,
-                               act.q256 or mm._NO_Q256, act.x, out)
+    mapped_k.pool_stack_kernel(pool.packed, slots, pool.packed, _NO_SLOTS, pool.n_tiles,
+                               act.q32 or mm._NO_Q32, act.q256 or mm._NO_Q256, act.x, out, out)
     return out
 
 
@@ -292,9 +295,9 @@ def _pool_pair(a: ExpertPool, b: ExpertPool, ids, act: mm.QuantActivations):
     slots_a, slots_b = a.slots(ids), b.slots(ids)
     out_a = np.empty((len(ids), a.n_tiles * P.ROWS), np.float32)
     out_b = np.empty_like(out_a)
-    mapped_k.pool_pair_kernel(a.packed, slots_a, b.packed, slots_b, a.n_tiles,
-                              act.q32 or mm._NO_Q32, act.q256 or mm._NO_Q256, act.x,
-                              out_a, out_b)
+    mapped_k.pool_stack_kernel(a.packed, slots_a, b.packed, slots_b, a.n_tiles,
+                               act.q32 or mm._NO_Q32, act.q256 or mm._NO_Q256, act.x,
+                               out_a, out_b)
     return out_a, out_b
 
 

@@ -225,31 +225,18 @@ def matmul_stack(type_name: str, rows3: np.ndarray, ids: np.ndarray,
 # ----------------------------------------------------------------------------- expert pools
 
 @njit(parallel=True, cache=True, nogil=True)
-def pool_stack_kernel(pool, slots, n_tiles, a32, a256, x, out):
-    """out[j] = x[j] (x[0] for every j when x has one row) @ W.T for the packed matrix of
-    ``n_tiles`` tiles held in slot ``slots[j]`` of ``pool`` (a packed weight of many such
-    matrices, slot s from tile s * n_tiles): all (j, tile) pairs in one parallel region."""
-    n_items = slots.shape[0] * n_tiles
-    for item in prange(n_items):
-        j = item // n_tiles
-        t = item % n_tiles
-        r = 0 if x.shape[0] == 1 else j
-        matmul_tile_at(pool, slots[j] * n_tiles + t, t,
-                       (a32[0][r:r + 1], a32[1][r:r + 1], a32[2][r:r + 1], a32[3][r:r + 1]),
-                       (a256[0][r:r + 1], a256[1][r:r + 1], a256[2][r:r + 1]),
-                       x[r:r + 1], out[j:j + 1])
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def pool_pair_kernel(pool_a, slots_a, pool_b, slots_b, n_tiles, a32, a256, x, out_a, out_b):
-    """pool_stack_kernel of two pools of one format and shape (a layer's gate and up
-    experts) in one parallel region: out_a from pool_a and out_b from pool_b, each as
-    pool_stack_kernel gives it, so a decode step starts one region for both."""
-    half = np.int64(slots_a.shape[0] * n_tiles)
-    for item in prange(2 * half):
+def pool_stack_kernel(pool_a, slots_a, pool_b, slots_b, n_tiles, a32, a256, x, out_a, out_b):
+    """out_a[j] = x[j] (x[0] for every j when x has one row) @ W.T for the packed matrix of
+    ``n_tiles`` tiles in slot ``slots_a[j]`` of ``pool_a`` (a packed weight of many such
+    matrices, slot s from tile s * n_tiles), and out_b likewise from ``pool_b`` (a second
+    pool of the same format and shape, such as a layer's up experts beside its gate; an
+    empty ``slots_b`` for none): every (matrix, tile) pair in one parallel region."""
+    n_a = np.int64(slots_a.shape[0] * n_tiles)
+    n_b = np.int64(slots_b.shape[0] * n_tiles)
+    for item in prange(n_a + n_b):
         it = np.int64(item)  # prange's index is unsigned: keep the arithmetic in int64
-        second = it >= half
-        i = it - half if second else it
+        second = it >= n_a
+        i = it - n_a if second else it
         j = i // n_tiles
         t = i % n_tiles
         r = 0 if x.shape[0] == 1 else j
