@@ -189,21 +189,6 @@ def _ol_sub_scale_offset(w):
     return lambda w: step
 
 
-@njit(inline="always")
-def _weighted_bsums(scales, so, bsum, bo, n_sub):
-    """sum over sub-blocks j of scales_j (16 lanes) * activation sum of sub-block j; the
-    superblock's 16-wide activation sums start at byte ``bo`` of bsum."""
-    acc = vi_zero()
-    if n_sub == 16:
-        for j in range(16):
-            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), vi_bcast4(bsum, bo + 4 * j)))
-    else:
-        for j in range(8):
-            s32 = vi_add(vi_bcast4(bsum, bo + 8 * j), vi_bcast4(bsum, bo + 8 * j + 4))
-            acc = vi_add(acc, vi_mul(vi_load_i8(scales, so + j * 16), s32))
-    return acc
-
-
 def super_term(w, isum, sbi, dx, do, bsum, bo):
     """The float contribution of one superblock-tile to 16 outputs (the activation scale at
     byte ``do`` of dx, its 16-wide sums from byte ``bo`` of bsum)."""
@@ -211,24 +196,8 @@ def super_term(w, isum, sbi, dx, do, bsum, bo):
 
 @overload(super_term, inline="always")
 def _ol_super_term(w, isum, sbi, dx, do, bsum, bo):
-    cls = w.instance_class
-    if cls in (P.PackedQ2_K, P.PackedQ4_K, P.PackedQ5_K):
-        n_sub = 16 if cls is P.PackedQ2_K else 8
-
-        def term_min(w, isum, sbi, dx, do, bsum, bo):
-            msum = _weighted_bsums(w.mn, sbi * n_sub * 16, bsum, bo, n_sub)
-            dxv = vf_bcast(dx, do)
-            return vf_sub(vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), dxv), vf_from_vi(isum)),
-                          vf_mul(vf_mul(vf_load_f16(w.dmin, sbi * 32), dxv), vf_from_vi(msum)))
-        return term_min
-    shift = {P.PackedQ6_K: 5, P.PackedQ3_K: 2, P.PackedIQ4_XS: 7}[cls]
-    n_sub = 8 if cls is P.PackedIQ4_XS else 16
-
-    def term_offset(w, isum, sbi, dx, do, bsum, bo):  # offset 32 / 4 / 128 as a shift
-        osum = _weighted_bsums(w.sc, sbi * n_sub * 16, bsum, bo, n_sub)
-        total = vi_sub(isum, vi_sll(osum, shift))
-        return vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), vf_bcast(dx, do)), vf_from_vi(total))
-    return term_offset
+    return lambda w, isum, sbi, dx, do, bsum, bo: super_term_of(
+        w, super_consts(w, sbi), isum, dx, do, bsum, bo)
 
 
 @njit(inline="always")
@@ -241,8 +210,9 @@ def _i8_rows8(a, o):
 
 @njit(inline="always")
 def _weighted_sums_of(scales, bsum, bo, n_sub):
-    """_weighted_bsums with the sub-block scale vectors already loaded (one tuple of 8, or
-    two of 8 for 16 sub-blocks): the same products summed in the same order."""
+    """sum over sub-blocks j of scales_j (16 lanes) * the activation sum of sub-block j (the
+    superblock's 16-wide sums start at byte ``bo`` of bsum); ``scales``: one tuple of 8
+    vectors, or two of 8 for 16 sub-blocks."""
     acc = vi_zero()
     if n_sub == 16:
         for j in range(8):
@@ -279,7 +249,8 @@ def _ol_super_consts(w, sbi):
 
 
 def super_term_of(w, consts, isum, dx, do, bsum, bo):
-    """super_term with its token-independent vectors from super_consts: the same bits."""
+    """super_term with its token-independent vectors from super_consts (loaded once for a
+    prompt pass's tokens)."""
 
 
 @overload(super_term_of, inline="always")
