@@ -39,6 +39,9 @@ def _balance(k_balance) -> np.ndarray:
 
 # The fused block without Numba's per-call dispatch (kernels/direct.py).
 _BLOCK = DirectCall(cpu_block.decoder_block)
+_DELTA_BLOCK = DirectCall(cpu_block.delta_block)
+_GATED_FRONT = DirectCall(cpu_block.gated_attention_front)
+_GATED_BACK = DirectCall(cpu_block.gated_attention_back)
 
 
 def _block_args(w, spec) -> tuple:
@@ -58,6 +61,51 @@ def _block_args(w, spec) -> tuple:
         d_rows=w.wo.padded_rows)
     if spec.activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"unknown activation {spec.activation}")
+    return weights, cfg
+
+
+def _delta_args(w, spec) -> tuple:
+    """The fused DeltaNet block's DeltaArrays and DeltaConfig for a DeltaNet layer's tensors
+    (models/qwen35.py DeltaNetLayer, dense FFN) and its BlockSpec."""
+    f, r = w.ffn, spec.recurrent
+    if spec.activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {spec.activation}")
+    weights = cpu_block.DeltaArrays(
+        attn_norm=w.attn_norm, wqkv=w.wqkv.packed, wz=w.wz.packed, wbeta=w.wbeta.packed,
+        walpha=w.walpha.packed, conv_t=np.ascontiguousarray(w.small.conv.T, np.float32),
+        dt_bias=w.small.dt_bias, a=w.small.a, ssm_norm=w.ssm_norm, wout=w.wout.packed,
+        ffn_norm=f["norm"], w_gate=f["w_gate"].packed, w_up=f["w_up"].packed,
+        w_down=f["w_down"].packed)
+    cfg = cpu_block.DeltaConfig(
+        eps=float(spec.norm_eps), l2_eps=float(r.eps), n_k=r.n_k_heads, n_v=r.n_v_heads,
+        hd=r.head_dim, gelu=spec.activation == "gelu_tanh", hidden=f["w_gate"].N,
+        qkv_rows=w.wqkv.padded_rows, z_rows=w.wz.padded_rows, h_rows=w.wbeta.padded_rows,
+        f_rows=f["w_gate"].padded_rows, d_rows=w.wout.padded_rows)
+    if w.walpha.padded_rows != w.wbeta.padded_rows or f["w_down"].padded_rows != w.wout.padded_rows:
+        raise ValueError("a DeltaNet block's alpha and beta (and its two output projections) "
+                         "must have the same shapes")
+    return weights, cfg
+
+
+def _gated_args(w, spec) -> tuple:
+    """The fused gated-attention kernels' GatedArrays and BlockConfig for a gated attention
+    layer's tensors (models/qwen35.py AttnWeights, dense FFN) and its BlockSpec."""
+    f = w.ffn
+    if spec.activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {spec.activation}")
+    weights = cpu_block.GatedArrays(
+        attn_norm=w.attn_norm, wq=w.wq.packed, wq_gate=w.wq_gate.packed, wk=w.wk.packed,
+        wv=w.wv.packed, q_norm=w.q_norm, k_norm=w.k_norm, wo=w.wo.packed, ffn_norm=f["norm"],
+        w_gate=f["w_gate"].packed, w_up=f["w_up"].packed, w_down=f["w_down"].packed)
+    cfg = cpu_block.BlockConfig(
+        eps=float(spec.norm_eps), n_heads=spec.n_heads, n_kv=spec.n_kv_heads,
+        hd=spec.head_dim, neox=bool(spec.rope.neox), window=0, scale=float(spec.attn_scale),
+        gelu=spec.activation == "gelu_tanh", hidden=f["w_gate"].N, q_rows=w.wq.padded_rows,
+        kv_rows=w.wk.padded_rows, f_rows=f["w_gate"].padded_rows, d_rows=w.wo.padded_rows)
+    if (w.wq_gate.padded_rows != w.wq.padded_rows or w.wv.padded_rows != w.wk.padded_rows
+            or f["w_down"].padded_rows != w.wo.padded_rows):
+        raise ValueError("a gated attention block's query and gate (keys and values, two "
+                         "output projections) must have the same shapes")
     return weights, cfg
 
 
@@ -340,10 +388,16 @@ class CpuBackend:
         return out
 
     def decoder_block(self, x, w, spec, positions, kv: KVBatch):
-        """One whole decoder block in a single Numba call (see models/block.py)."""
+        """One whole decoder block in a single Numba call (see models/block.py); a DeltaNet
+        block with a dense FFN (``spec.recurrent`` set: models/qwen35.py) in one call per
+        sequence of the batch; a gated attention block (a ``wq_gate``: Qwen3.5's) in two
+        calls, its gate's sigmoid between them."""
+        if spec.recurrent is not None:
+            return self._delta_block(x, w, spec, kv)
+        gated = getattr(w, "wq_gate", None) is not None
         entry = self._blocks.get(id(w))
         if entry is None or entry[0] is not w:
-            args = _block_args(w, spec)
+            args = (_gated_args if gated else _block_args)(w, spec)
             entry = (w, args, fingerprint(args))
             self._blocks[id(w)] = entry
         weights, cfg = entry[1]
@@ -360,7 +414,37 @@ class CpuBackend:
         # arrays that change from call to call.
         key = (entry[2], type(p.K), type(p.V), fingerprint(
             (x, kv.tables, kv.row_seq, memo[4], memo[2], memo[3], p.K.a, p.V.a)))
-        _BLOCK(key, x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
+        if not gated:
+            _BLOCK(key, x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
+            return x
+        o, gate = _GATED_FRONT(key, x, weights, cfg, self._paged(kv), memo[4], memo[2],
+                               memo[3])
+        # the gate's sigmoid as the op-by-op path takes it (numpy's exp), between the calls
+        g = cpu_moe.glu(gate, o, "sigmoid")
+        _GATED_BACK((entry[2], fingerprint((x, g))), x, g, weights, cfg)
+        return x
+
+    def _delta_block(self, x, w, spec, kv: KVBatch):
+        entry = self._blocks.get(id(w))
+        if entry is None or entry[0] is not w:
+            args = _delta_args(w, spec)
+            entry = (w, args, fingerprint(args))
+            self._blocks[id(w)] = entry
+        weights, cfg = entry[1]
+        x = np.ascontiguousarray(x, dtype=np.float32)  # updated in place by the kernel
+        rows = np.asarray(kv.row_seq)
+        start = 0
+        while start < len(rows):  # each sequence's tokens are consecutive rows
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[start]:
+                end += 1
+            st = kv.states[rows[start]]
+            part = x if end - start == len(rows) else np.ascontiguousarray(x[start:end])
+            key = (entry[2], fingerprint((part, st.window, st.state)))
+            _DELTA_BLOCK(key, part, weights, cfg, st.window, st.state)
+            if part is not x:
+                x[start:end] = part
+            start = end
         return x
 
     def glu(self, gate, up, act):

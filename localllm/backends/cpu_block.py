@@ -1,5 +1,7 @@
-"""The CPU backend's decoder block as one Numba call: the same row and tile kernels that the
-op-by-op path uses, in the same order, without a Python round trip between them.
+"""The CPU backend's decoder blocks as one Numba call each: the same row and tile kernels that
+the op-by-op path uses, in the same order, without a Python round trip between them. A
+Llama-style attention block (``decoder_block``), and a Gated DeltaNet block with a dense FFN
+(``delta_block``, Qwen3.5's linear-attention layers).
 
 Absent optional tensors (biases, QK-norm, post-norms) are passed as empty arrays.
 """
@@ -13,17 +15,30 @@ from numba import prange
 from numba.extending import overload
 
 from localllm.kernels import attention as attn_k
+from localllm.kernels import deltanet
 from localllm.kernels import packing as P
 from localllm.kernels.actquant import act_buffers, quantize_q8_32_row, quantize_q8_256_row
 from localllm.kernels.jit import njit
 from localllm.kernels.matmul import matmul_tile
-from localllm.kernels.ops import add_row, glu, rms_norm_row, rope_row
+from localllm.kernels.ops import add_row, glu, rms_norm_heads, rms_norm_row, rope_row
 
 # A layer's tensors as the kernel takes them (packed weights, float32 vectors; absent ones
 # empty), and the sizes that select its loops.
 BlockArrays = namedtuple("BlockArrays", [
     "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo",
     "post_attn_norm", "ffn_norm", "w_gate", "w_up", "w_down", "post_ffn_norm", "k_balance"])
+# A DeltaNet block's tensors: the mixer's (conv_t: the conv kernel transposed, (K, C)) and
+# its dense FFN's.
+DeltaArrays = namedtuple("DeltaArrays", [
+    "attn_norm", "wqkv", "wz", "wbeta", "walpha", "conv_t", "dt_bias", "a", "ssm_norm", "wout",
+    "ffn_norm", "w_gate", "w_up", "w_down"])
+# l2_eps: the q/k L2 norms' epsilon; n_k, n_v, hd: the DeltaNet's key and value heads and
+# head size; gelu, hidden: the FFN's;
+# *_rows: padded output widths of the projections to qkv, z, beta/alpha, the FFN's hidden
+# layer and back to dim.
+DeltaConfig = namedtuple("DeltaConfig", [
+    "eps", "l2_eps", "n_k", "n_v", "hd", "gelu", "hidden", "qkv_rows", "z_rows", "h_rows", "f_rows",
+    "d_rows"])
 # q_rows, kv_rows, f_rows, d_rows: padded output widths (whole 16-row tiles) of the
 # projections to q, k/v, the hidden layer and back to dim.
 BlockConfig = namedtuple("BlockConfig", [
@@ -63,6 +78,24 @@ def prepare(x, norm_w, eps, h, a32, a256):
     else:
         for t in prange(n):
             _prep_row(t, x, norm_w, eps, h, a32, a256)
+
+
+@njit(cache=True, parallel=True)
+def linear4(w1, w2, w3, w4, a32, a256, h, o1, o2, o3, o4):
+    """Four matmuls reading the same input, their tiles in one parallel loop."""
+    n1 = o1.shape[1] // 16
+    n2 = o2.shape[1] // 16
+    n3 = o3.shape[1] // 16
+    n4 = o4.shape[1] // 16
+    for j in prange(n1 + n2 + n3 + n4):
+        if j < n1:
+            matmul_tile(w1, j, a32, a256, h, o1)
+        elif j < n1 + n2:
+            matmul_tile(w2, j - n1, a32, a256, h, o2)
+        elif j < n1 + n2 + n3:
+            matmul_tile(w3, j - n1 - n2, a32, a256, h, o3)
+        else:
+            matmul_tile(w4, j - n1 - n2 - n3, a32, a256, h, o4)
 
 
 @njit(cache=True, parallel=True)
@@ -216,3 +249,139 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     # from the cache, which the parallel kernels it calls rely on.
     for t in prange(n):
         _residual_row(t, x, y2, post_ffn_norm, eps)
+
+
+@njit(cache=True, inline="always")
+def _cols(a, n_cols):
+    """The first n_cols columns of a padded matmul output, contiguous."""
+    return a[:, :n_cols].copy() if a.shape[1] != n_cols else a
+
+
+@njit(cache=True)
+def _dense_ffn(x, h, norm, w_gate, w_up, w_down, eps, gelu, hidden, f_rows, d_rows):
+    """y = w_down(act(w_gate h) * (w_up h)), h = rmsnorm(x) (h: scratch like x)."""
+    n, dim = x.shape
+    r1, s1 = reads(w_gate)
+    r2, s2 = reads(w_up)
+    c32, c256 = act_buffers(n, dim, r1 or r2, s1 or s2)
+    prepare(x, norm, eps, h, c32, c256)
+    gate = np.empty((n, f_rows), np.float32)
+    up = np.empty((n, f_rows), np.float32)
+    linear2(w_gate, w_up, c32, c256, h, gate, up)
+    act = np.empty((n, hidden), np.float32)
+    glu(_cols(gate, hidden), _cols(up, hidden), act, gelu)
+    r, s = reads(w_down)
+    e32, e256 = act_buffers(n, hidden, r, s)
+    prepare(act, np.empty(0, np.float32), eps, act, e32, e256)
+    y = np.empty((n, d_rows), np.float32)
+    linear1(w_down, e32, e256, act, y)
+    return _cols(y, dim)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def delta_block(x, w, cfg, window, state):
+    """One Gated DeltaNet block for n tokens of one sequence, in place on x (n, dim): x +=
+    mixer(rmsnorm(x)), then x += ffn(rmsnorm(x)), with the bits of the op-by-op path
+    (models/qwen35.py: delta_net_mixer, then the dense FFN).
+
+    Args:
+        x: float32 (n, dim), updated; w: DeltaArrays; cfg: DeltaConfig;
+        window: float32 (K - 1, C) and state: float32 (n_v, hd, hd), the sequence's
+        recurrent state, updated.
+    """
+    eps, n_k, n_v, hd = cfg.eps, cfg.n_k, cfg.n_v, cfg.hd
+    n, dim = x.shape
+    C = (2 * n_k + n_v) * hd
+    vd = n_v * hd
+
+    # the mixer: projections, the conv and delta rule, the per-head norm times silu(z)
+    r1, s1 = reads(w.wqkv)
+    r2, s2 = reads(w.wz)
+    r3, s3 = reads(w.wbeta)
+    r4, s4 = reads(w.walpha)
+    h = np.empty_like(x)
+    a32, a256 = act_buffers(n, dim, r1 or r2 or r3 or r4, s1 or s2 or s3 or s4)
+    prepare(x, w.attn_norm, eps, h, a32, a256)
+    qkv = np.empty((n, cfg.qkv_rows), np.float32)
+    z = np.empty((n, cfg.z_rows), np.float32)
+    beta = np.empty((n, cfg.h_rows), np.float32)
+    alpha = np.empty((n, cfg.h_rows), np.float32)
+    linear4(w.wqkv, w.wz, w.wbeta, w.walpha, a32, a256, h, qkv, z, beta, alpha)
+    o = np.empty((n, vd), np.float32)
+    deltanet.delta_net_t(_cols(qkv, C), _cols(alpha, n_v), _cols(beta, n_v), w.conv_t,
+                         w.dt_bias, w.a, window, state, n_k, hd, cfg.l2_eps, o)
+    rms_norm_heads(o.reshape(n, n_v, hd), w.ssm_norm, eps)
+    g = np.empty((n, vd), np.float32)
+    glu(_cols(z, vd), o, g, False)
+    y2 = _out_and_ffn(x, h, g, w.wout, cfg.d_rows, w.ffn_norm, w.w_gate, w.w_up, w.w_down,
+                      eps, cfg.gelu, cfg.hidden, cfg.f_rows)
+    # a parallel loop of its own, as decoder_block's last residual (see there)
+    for t in prange(n):
+        add_row(x[t], y2[t])
+
+
+@njit(cache=True)
+def _out_and_ffn(x, h, g, wo, d_rows, ffn_norm, w_gate, w_up, w_down, eps, gelu, hidden,
+                 f_rows):
+    """x += wo g (g: the mixer's output, quantized here in place), then the dense FFN's
+    output for x, which the caller adds (h: scratch like x)."""
+    n, dim = x.shape
+    r, s = reads(wo)
+    b32, b256 = act_buffers(n, g.shape[1], r, s)
+    prepare(g, np.empty(0, np.float32), eps, g, b32, b256)
+    y = np.empty((n, d_rows), np.float32)
+    linear1(wo, b32, b256, g, y)
+    residual(x, _cols(y, dim), np.empty(0, np.float32), eps)
+    return _dense_ffn(x, h, ffn_norm, w_gate, w_up, w_down, eps, gelu, hidden, f_rows, d_rows)
+
+
+# A gated full-attention block's tensors (Qwen3.5: each query head has an output gate).
+GatedArrays = namedtuple("GatedArrays", [
+    "attn_norm", "wq", "wq_gate", "wk", "wv", "q_norm", "k_norm", "wo", "ffn_norm", "w_gate",
+    "w_up", "w_down"])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def gated_attention_front(x, w, cfg, kv, positions, cos, sin):
+    """A gated attention block up to its gate: the attention output o and the gate's
+    pre-activation, each (n, n_heads * hd) (the block goes on with o * sigmoid(gate), which
+    the backend takes as the op-by-op path does, then gated_attention_back). cfg: a
+    BlockConfig (q_rows: the query's and gate's padded width; d_rows: the FFN's and output
+    projection's; window 0, no biases)."""
+    eps, n_heads, n_kv, hd = cfg.eps, cfg.n_heads, cfg.n_kv, cfg.hd
+    n, dim = x.shape
+    r1, s1 = reads(w.wq)
+    r2, s2 = reads(w.wq_gate)
+    r3, s3 = reads(w.wk)
+    r4, s4 = reads(w.wv)
+    h = np.empty_like(x)
+    a32, a256 = act_buffers(n, dim, r1 or r2 or r3 or r4, s1 or s2 or s3 or s4)
+    prepare(x, w.attn_norm, eps, h, a32, a256)
+    q = np.empty((n, cfg.q_rows), np.float32)
+    gp = np.empty((n, cfg.q_rows), np.float32)
+    k = np.empty((n, cfg.kv_rows), np.float32)
+    v = np.empty((n, cfg.kv_rows), np.float32)
+    linear4(w.wq, w.wq_gate, w.wk, w.wv, a32, a256, h, q, gp, k, v)
+    qd, kvd = n_heads * hd, n_kv * hd
+    q, k, v = _cols(q, qd), _cols(k, kvd), _cols(v, kvd)
+    empty = np.empty(0, np.float32)
+    qk_prepare(q, k, v, empty, empty, empty, w.q_norm, w.k_norm, eps, cos, sin, cfg.neox, hd)
+    o = np.empty((n, qd), np.float32)
+    attn_k.paged_attention(q, k, v, kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, n_kv,
+                           positions, 0, cfg.scale, empty, empty, o)
+    gate = np.empty((n, qd), np.float32)
+    for t in prange(n):  # a parallel loop of its own (see decoder_block)
+        gate[t] = gp[t, :qd]
+    return o, gate
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def gated_attention_back(x, g, w, cfg):
+    """The rest of a gated attention block, in place on x: x += wo g (g: the gated attention
+    output, quantized in place), then x += ffn(rmsnorm(x))."""
+    n = x.shape[0]
+    h = np.empty_like(x)
+    y2 = _out_and_ffn(x, h, g, w.wo, cfg.d_rows, w.ffn_norm, w.w_gate, w.w_up, w.w_down,
+                      cfg.eps, cfg.gelu, cfg.hidden, cfg.f_rows)
+    for t in prange(n):
+        add_row(x[t], y2[t])

@@ -50,12 +50,18 @@ def causal_conv_silu(x, window, w, out):
         x: float32 (T, C) new inputs, C a multiple of 16; window: float32 (K - 1, C), oldest
         first (updated); w: float32 (C, K) the kernel; out: float32 (T, C). All contiguous.
     """
+    causal_conv_silu_t(x, window, np.ascontiguousarray(w.T), out)
+
+
+@njit(cache=True)
+def causal_conv_silu_t(x, window, wt, out):
+    """causal_conv_silu with the kernel given transposed: wt float32 (K, C), contiguous (a
+    layer's fused block keeps it so rather than transposing it every step)."""
     T, C = x.shape
-    K = w.shape[1]
+    K = wt.shape[0]
     H = K - 1
-    if C % 16 or window.shape != (H, C) or out.shape != (T, C):
+    if C % 16 or wt.shape[1] != C or window.shape != (H, C) or out.shape != (T, C):
         raise ValueError("causal_conv_silu: C must be a multiple of 16, shapes to match")
-    wt = np.ascontiguousarray(w.T)
     _conv_rows(x, window, wt, out)
     if T >= H:
         window[:, :] = x[T - H:]
@@ -192,6 +198,14 @@ def delta_net(qkv, alpha, beta_in, conv_w, dt_bias, a, window, state, n_k_heads,
         n_k_heads: H_k; head_dim: S, a multiple of 16; eps: the L2 norm's epsilon;
         out: float32 (T, H_v * S).
     """
+    delta_net_t(qkv, alpha, beta_in, np.ascontiguousarray(conv_w.T), dt_bias, a, window,
+                state, n_k_heads, head_dim, eps, out)
+
+
+@njit(cache=True)
+def delta_net_t(qkv, alpha, beta_in, conv_t, dt_bias, a, window, state, n_k_heads, head_dim,
+                eps, out):
+    """delta_net with the conv kernel given transposed: conv_t float32 (K, C), contiguous."""
     T, C = qkv.shape
     Hv = alpha.shape[1]
     S = head_dim
@@ -199,7 +213,7 @@ def delta_net(qkv, alpha, beta_in, conv_w, dt_bias, a, window, state, n_k_heads,
             or out.shape != (T, Hv * S)):
         raise ValueError("delta_net: the head size must be a multiple of 16, shapes to match")
     conv = np.empty((T, C), np.float32)
-    causal_conv_silu(np.ascontiguousarray(qkv), window, conv_w, conv)
+    causal_conv_silu_t(np.ascontiguousarray(qkv), window, conv_t, conv)
     q = np.empty((T, n_k_heads, S), np.float32)
     k = np.empty((T, n_k_heads, S), np.float32)
     v = np.empty((T, Hv, S), np.float32)

@@ -250,6 +250,8 @@ class Model(Net):
         return be.linear(be.glu(z, o, "silu"), [w.wout])[0]
 
     def block(self, be, x, w, s: BlockSpec, positions, kv: KVBatch):
+        if be.fused_blocks and be.recurrent and w.ffn.get("moe") is None:
+            return be.decoder_block(x, w, s, positions, kv)  # the block natively
         h = be.rms_norm(x, w.attn_norm, s.norm_eps)
         if s.recurrent is not None:
             o = self.delta_net_mixer(be, h, w, s, kv)
@@ -267,7 +269,7 @@ class Model(Net):
             y = be.moe_ffn(h, experts, s.moe)
         else:
             gate, up = be.linear(h, [f["w_gate"], f["w_up"]])
-            y = be.linear(be.glu(gate, up, "silu"), [f["w_down"]])[0]
+            y = be.linear(be.glu(gate, up, s.activation), [f["w_down"]])[0]
         return be.add(x, y)
 
     def forward(self, ids, positions, kv: KVBatch, logit_rows, hidden: bool = False):

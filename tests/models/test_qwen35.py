@@ -39,6 +39,40 @@ def model(path):
     m.close()
 
 
+def test_fused_blocks_give_the_composed_bits(path, model, monkeypatch):
+    """The blocks run natively (the CPU backend's delta_block, and its gated attention in two
+    calls), with the bits of the op-by-op blocks: a prompt, decode steps and two sequences in
+    one step."""
+    from localllm.backends import cpu as cpu_backend
+    calls = []
+    real = cpu_backend.CpuBackend.decoder_block
+    monkeypatch.setattr(cpu_backend.CpuBackend, "decoder_block",
+                        lambda self, x, w, s, *a: calls.append(s.recurrent is not None)
+                        or real(self, x, w, s, *a))
+    ids = model.tokenize(TEXT)
+    model.forget_cached()  # nothing reused: every layer runs
+    fused = model.logits(ids)
+    # every layer of the file (6 DeltaNet, 2 attention), once per chunk (chunks end at
+    # checkpoint blocks)
+    assert calls and len(calls) % 8 == 0 and sum(calls) == len(calls) // 8 * 6
+    ref = localllm.load(path, ctx_size=1024, threads=2, weight_cache=False, kv_block_size=16)
+    try:
+        ref.backend.fused_blocks = False  # the composed block, op by op
+        np.testing.assert_array_equal(ref.logits(ids).view(np.uint32), fused.view(np.uint32))
+        with model.new_sequence() as a, ref.new_sequence() as b:
+            a.feed(ids[:7])
+            b.feed(ids[:7])
+            for t in ids[7:12]:
+                np.testing.assert_array_equal(a.feed([t]), b.feed([t]))
+        with model.new_sequence() as a, model.new_sequence() as b:
+            a.feed(ids[:9])
+            out = model.step([StepItem(a, ids[9:20], "all"), StepItem(b, ids[:14], "all")])
+        np.testing.assert_array_equal(out[0], fused[9:20])
+        np.testing.assert_array_equal(out[1], fused[:14])
+    finally:
+        ref.close()
+
+
 def test_linear_layers_keep_states_not_pages(model):
     space = model._runner.space
     full = [i for i in range(SPEC.n_layers) if (i + 1) % SPEC.full_every == 0]
