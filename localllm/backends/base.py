@@ -253,7 +253,8 @@ class Backend(Protocol):
     def decoder_block(self, x: Any, w: Any, spec: Any, positions: Sequence[int],
                       kv: KVBatch) -> Any:
         """One whole decoder block (models/block.py) in the backend's native way, with the
-        bits of ``compose_block``; called only when ``fused_blocks``. Where the backend runs
+        bits of ``compose_block`` (a mixture of experts on this backend included); called
+        only when ``fused_blocks``. Where the backend runs
         recurrent layers (``recurrent``), also Qwen3.5's blocks with a dense FFN: a Gated
         DeltaNet block (``spec.recurrent`` set, ``w`` a models/qwen35.py DeltaNetLayer) and
         a gated attention block (``w`` an AttnWeights), with the bits of that model's

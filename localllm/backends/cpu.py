@@ -40,13 +40,27 @@ def _balance(k_balance) -> np.ndarray:
 # The fused block without Numba's per-call dispatch (kernels/direct.py).
 _BLOCK = DirectCall(cpu_block.decoder_block)
 _DELTA_BLOCK = DirectCall(cpu_block.delta_block)
+_ATTN_BLOCK = DirectCall(cpu_block.attention_block)
 _GATED_FRONT = DirectCall(cpu_block.gated_attention_front)
 _GATED_BACK = DirectCall(cpu_block.gated_attention_back)
 
 
 def _block_args(w, spec) -> tuple:
-    """The fused kernel's BlockArrays and BlockConfig for a BlockWeights and BlockSpec."""
+    """The fused kernel's BlockArrays and BlockConfig for a BlockWeights and BlockSpec (with a
+    mixture of experts: attention_block's AttnArrays, the FFN's sizes 0)."""
     vec = lambda a: _EMPTY if a is None else a  # noqa: E731
+    if w.moe is not None:
+        weights = cpu_block.AttnArrays(
+            attn_norm=w.attn_norm, wq=w.wq.packed, wk=w.wk.packed, wv=w.wv.packed,
+            bq=vec(w.bq), bk=vec(w.bk), bv=vec(w.bv), q_norm=vec(w.q_norm),
+            k_norm=vec(w.k_norm), wo=w.wo.packed, post_attn_norm=vec(w.post_attn_norm),
+            ffn_norm=w.ffn_norm, k_balance=_balance(spec.k_balance))
+        cfg = cpu_block.BlockConfig(
+            eps=float(spec.norm_eps), n_heads=spec.n_heads, n_kv=spec.n_kv_heads,
+            hd=spec.head_dim, neox=bool(spec.rope.neox), window=int(spec.window),
+            scale=float(spec.attn_scale), gelu=False, hidden=0, q_rows=w.wq.padded_rows,
+            kv_rows=w.wk.padded_rows, f_rows=0, d_rows=w.wo.padded_rows)
+        return weights, cfg
     weights = cpu_block.BlockArrays(
         attn_norm=w.attn_norm, wq=w.wq.packed, wk=w.wk.packed, wv=w.wv.packed, bq=vec(w.bq),
         bk=vec(w.bk), bv=vec(w.bv), q_norm=vec(w.q_norm), k_norm=vec(w.k_norm),
@@ -388,7 +402,9 @@ class CpuBackend:
         return out
 
     def decoder_block(self, x, w, spec, positions, kv: KVBatch):
-        """One whole decoder block in a single Numba call (see models/block.py); a DeltaNet
+        """One whole decoder block in a single Numba call (see models/block.py; with a mixture
+        of experts on this backend, its attention sublayer in one call and the experts as
+        ``moe_ffn`` runs them); a DeltaNet
         block with a dense FFN (``spec.recurrent`` set: models/qwen35.py) in one call per
         sequence of the batch; a gated attention block (a ``wq_gate``: Qwen3.5's) in two
         calls, its gate's sigmoid between them."""
@@ -414,6 +430,15 @@ class CpuBackend:
         # arrays that change from call to call.
         key = (entry[2], type(p.K), type(p.V), fingerprint(
             (x, kv.tables, kv.row_seq, memo[4], memo[2], memo[3], p.K.a, p.V.a)))
+        if getattr(w, "moe", None) is not None:
+            # the attention sublayer and the FFN's norm in one call, the experts as moe_ffn
+            # runs them (compose_block's order)
+            h = np.empty_like(x)
+            _ATTN_BLOCK(key, x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3], h)
+            y = self.moe_ffn(h, w.moe, spec.moe)
+            if w.post_ffn_norm is not None:
+                y = self.rms_norm(y, w.post_ffn_norm, spec.norm_eps)
+            return self.add(x, y)
         if not gated:
             _BLOCK(key, x, weights, cfg, self._paged(kv), memo[4], memo[2], memo[3])
             return x

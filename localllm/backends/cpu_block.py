@@ -178,31 +178,17 @@ def residual(x, y, post_norm, eps):
             _residual_row(t, x, y, post_norm, eps)
 
 
-# nogil: a server's event loop (or a UI) keeps running while a layer computes.
-@njit(cache=True, parallel=True, nogil=True)
-def decoder_block(x, w, cfg, kv, positions, cos, sin):
-    """One decoder block for n tokens, in place on x (n, dim).
-
-    Args:
-        x: float32 (n, dim) hidden states, updated in place.
-        w: BlockArrays; cfg: BlockConfig.
-        kv: attention.PagedKV: this layer's pages and the batch's block tables.
-        positions: int64 (n,); cos, sin: (n, n_rot // 2) tables.
-    """
-    attn_norm, wq, wk, wv = w.attn_norm, w.wq, w.wk, w.wv
-    bq, bk, bv, q_norm, k_norm = w.bq, w.bk, w.bv, w.q_norm, w.k_norm
-    wo, post_attn_norm, ffn_norm = w.wo, w.post_attn_norm, w.ffn_norm
-    w_gate, w_up, w_down, post_ffn_norm = w.w_gate, w.w_up, w.w_down, w.post_ffn_norm
+@njit(cache=True)
+def _attention_half(x, attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo, post_attn_norm,
+                    k_balance, cfg, kv, positions, cos, sin, h):
+    """x += the attention sublayer's output for x (h: scratch like x)."""
     eps, n_heads, n_kv, hd = cfg.eps, cfg.n_heads, cfg.n_kv, cfg.hd
-    neox, window, scale, gelu, hidden = cfg.neox, cfg.window, cfg.scale, cfg.gelu, cfg.hidden
-    q_rows, kv_rows, f_rows, d_rows = cfg.q_rows, cfg.kv_rows, cfg.f_rows, cfg.d_rows
+    neox, window, scale = cfg.neox, cfg.window, cfg.scale
+    q_rows, kv_rows, d_rows = cfg.q_rows, cfg.kv_rows, cfg.d_rows
     n, dim = x.shape
-
-    # attention
     r1, s1 = reads(wq)
     r2, s2 = reads(wk)
     r3, s3 = reads(wv)
-    h = np.empty_like(x)
     a32, a256 = act_buffers(n, dim, r1 or r2 or r3, s1 or s2 or s3)
     prepare(x, attn_norm, eps, h, a32, a256)
     q = np.empty((n, q_rows), np.float32)
@@ -216,7 +202,7 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     qk_prepare(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd)
     o2 = np.empty((n, qd), np.float32)
     attn_k.paged_attention(q, k, v, kv.K, kv.V, kv.tables, kv.row_seq, kv.block_size, n_kv,
-                           positions, window, scale, w.k_balance, np.empty(0, np.float32), o2)
+                           positions, window, scale, k_balance, np.empty(0, np.float32), o2)
     r, s = reads(wo)
     b32, b256 = act_buffers(n, qd, r, s)
     prepare(o2, np.empty(0, np.float32), eps, o2, b32, b256)
@@ -224,6 +210,26 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     linear1(wo, b32, b256, o2, y)
     y = y[:, :dim].copy() if d_rows != dim else y
     residual(x, y, post_attn_norm, eps)
+
+
+# nogil: a server's event loop (or a UI) keeps running while a layer computes.
+@njit(cache=True, parallel=True, nogil=True)
+def decoder_block(x, w, cfg, kv, positions, cos, sin):
+    """One decoder block for n tokens, in place on x (n, dim).
+
+    Args:
+        x: float32 (n, dim) hidden states, updated in place.
+        w: BlockArrays; cfg: BlockConfig.
+        kv: attention.PagedKV: this layer's pages and the batch's block tables.
+        positions: int64 (n,); cos, sin: (n, n_rot // 2) tables.
+    """
+    ffn_norm = w.ffn_norm
+    w_gate, w_up, w_down, post_ffn_norm = w.w_gate, w.w_up, w.w_down, w.post_ffn_norm
+    eps, gelu, hidden, f_rows, d_rows = cfg.eps, cfg.gelu, cfg.hidden, cfg.f_rows, cfg.d_rows
+    n, dim = x.shape
+    h = np.empty_like(x)
+    _attention_half(x, w.attn_norm, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, w.q_norm, w.k_norm,
+                    w.wo, w.post_attn_norm, w.k_balance, cfg, kv, positions, cos, sin, h)
 
     # feed-forward
     r1, s1 = reads(w_gate)
@@ -249,6 +255,26 @@ def decoder_block(x, w, cfg, kv, positions, cos, sin):
     # from the cache, which the parallel kernels it calls rely on.
     for t in prange(n):
         _residual_row(t, x, y2, post_ffn_norm, eps)
+
+
+# An attention sublayer's tensors and the norm of the FFN that follows it (a block whose FFN
+# runs apart: a mixture of experts).
+AttnArrays = namedtuple("AttnArrays", [
+    "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo",
+    "post_attn_norm", "ffn_norm", "k_balance"])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def attention_block(x, w, cfg, kv, positions, cos, sin, h):
+    """decoder_block's attention sublayer, in place on x, and h = rmsnorm(x) with the FFN's
+    norm (the input of an FFN the caller runs: a mixture of experts). w: AttnArrays."""
+    _attention_half(x, w.attn_norm, w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, w.q_norm, w.k_norm,
+                    w.wo, w.post_attn_norm, w.k_balance, cfg, kv, positions, cos, sin, h)
+    # a parallel loop of its own (see decoder_block), reading no tuples (a tuple of packed
+    # weights cannot be passed into a parallel loop's body)
+    ffn_norm, eps = w.ffn_norm, cfg.eps
+    for t in prange(x.shape[0]):
+        rms_norm_row(x[t], ffn_norm, eps, h[t])
 
 
 @njit(cache=True, inline="always")

@@ -110,6 +110,35 @@ def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name, 
         assert np.array_equal(chunked.view(np.uint32), whole.view(np.uint32)), sizes[:5]
 
 
+@pytest.mark.parametrize("name", ["qwen2moe", "mixtral"])
+def test_native_attention_with_experts_gives_the_composed_bits(moe_files, moe_models, name,
+                                                              monkeypatch):
+    """An MoE block on the CPU runs its attention sublayer natively (one call) and its
+    experts as moe_ffn does: the logits of the op-by-op blocks, bit for bit."""
+    from localllm.backends import cpu as cpu_backend
+    calls = []
+    real = cpu_backend.CpuBackend.decoder_block
+    monkeypatch.setattr(cpu_backend.CpuBackend, "decoder_block",
+                        lambda self, x, w, *a: calls.append(w.moe is not None)
+                        or real(self, x, w, *a))
+    m = moe_models(name)
+    ids = load_case(name)["ids"][:40].tolist()
+    m.forget_cached()
+    fused = m.logits(ids)
+    assert calls and all(calls)
+    ref = localllm.load(moe_files[name], ctx_size=1024, threads=2, weight_cache=False)
+    try:
+        ref.backend.fused_blocks = False
+        assert np.array_equal(ref.logits(ids).view(np.uint32), fused.view(np.uint32))
+        with m.new_sequence() as a, ref.new_sequence() as b:
+            a.feed(ids[:9])
+            b.feed(ids[:9])
+            for t in ids[9:14]:
+                assert np.array_equal(a.feed([t]).view(np.uint32), b.feed([t]).view(np.uint32))
+    finally:
+        ref.close()
+
+
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("name", ["qwen2moe", "olmoe", "gptoss"])
 def test_device_backends_agree_with_the_cpu(moe_files, moe_models, backend, name):
