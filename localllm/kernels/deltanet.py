@@ -15,9 +15,15 @@ from numba import prange
 
 from .jit import njit
 from .rowmath import vd_hsum, vd_sqacc, vd_zero, vf_silu
-from .simd import vf_load, vf_mul, vf_splat, vf_store, vf_zero
+from .simd import prefetch, vf_load, vf_mul, vf_splat, vf_store, vf_zero
 from .vmath import vf_fma, vf_hsum
 
+# Bytes of state requested ahead of the first pass over a row group. A decode step reads
+# each layer's state once from memory (2 MB a layer at Qwen3.5 4B's shape), after the
+# weights between two layers have evicted it; the hardware prefetcher alone left the rule
+# at ~40 % of the memory's read-and-write rate (24 layers 3.7 -> 2.4 ms a step measured
+# alone, the states evicted between steps).
+AHEAD = 8192
 ROWS_PER_ITEM = 16  # state rows a thread takes through all of a call's tokens
 
 
@@ -150,6 +156,10 @@ def gated_delta_rule(q, k, v, g, beta, state, out):
                 a2 = vf_zero()
                 a3 = vf_zero()
                 for i in range(0, Sk * 4, 64):
+                    prefetch(state, s0 + i + AHEAD)
+                    prefetch(state, s1 + i + AHEAD)
+                    prefetch(state, s2 + i + AHEAD)
+                    prefetch(state, s3 + i + AHEAD)
                     ki = vf_load(k, kb + i)
                     a0 = vf_fma(vf_load(state, s0 + i), ki, a0)
                     a1 = vf_fma(vf_load(state, s1 + i), ki, a1)
