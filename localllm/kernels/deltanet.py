@@ -156,10 +156,11 @@ def gated_delta_rule(q, k, v, g, beta, state, out):
                 a2 = vf_zero()
                 a3 = vf_zero()
                 for i in range(0, Sk * 4, 64):
-                    prefetch(state, s0 + i + AHEAD)
-                    prefetch(state, s1 + i + AHEAD)
-                    prefetch(state, s2 + i + AHEAD)
-                    prefetch(state, s3 + i + AHEAD)
+                    if t == 0:  # later tokens find the rows in cache
+                        prefetch(state, s0 + i + AHEAD)
+                        prefetch(state, s1 + i + AHEAD)
+                        prefetch(state, s2 + i + AHEAD)
+                        prefetch(state, s3 + i + AHEAD)
                     ki = vf_load(k, kb + i)
                     a0 = vf_fma(vf_load(state, s0 + i), ki, a0)
                     a1 = vf_fma(vf_load(state, s1 + i), ki, a1)
