@@ -1,7 +1,8 @@
 """The CPU backend's decoder blocks as one Numba call each: the same row and tile kernels that
 the op-by-op path uses, in the same order, without a Python round trip between them. A
 Llama-style attention block (``decoder_block``), and a Gated DeltaNet block with a dense FFN
-(``delta_block``, Qwen3.5's linear-attention layers).
+(``delta_block``, Qwen3.5's linear-attention layers); a decode step's mixture of experts in two
+calls (``moe_route_one``, then ``moe_experts_one`` once the caller has its experts' pool slots).
 
 Absent optional tensors (biases, QK-norm, post-norms) are passed as empty arrays.
 """
@@ -16,6 +17,8 @@ from numba.extending import overload
 
 from localllm.kernels import attention as attn_k
 from localllm.kernels import deltanet
+from localllm.kernels import moe as moe_k
+from localllm.kernels.mapped import pool_stack_kernel
 from localllm.kernels import packing as P
 from localllm.kernels.actquant import act_buffers, quantize_q8_32_row, quantize_q8_256_row
 from localllm.kernels.jit import njit
@@ -411,3 +414,48 @@ def gated_attention_back(x, g, w, cfg):
                       cfg.eps, cfg.gelu, cfg.hidden, cfg.f_rows)
     for t in prange(n):
         add_row(x[t], y2[t])
+
+
+# ----------------------------------------------------------------------------- experts
+
+_NO_SLOTS = np.zeros(0, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def moe_route_one(x, router, router_rows, n_experts, need32, need256, gating, norm, scale,
+                  down_scale, ids, weights):
+    """A decode step's router, as backends/cpu_moe.py's moe_ffn takes it: x (1, dim), the
+    normed hidden state, quantized once (``need32``/``need256``: the forms the router and
+    the experts' gate and up matmuls read), the router's logits (router: its packed arrays,
+    router_rows wide), the top-k (kernels/moe.py's route) into ids and weights (1, k), each
+    weight times ``down_scale`` of its expert (an empty array: none). Returns: the quantized
+    forms, for moe_experts_one."""
+    a32, a256 = act_buffers(1, x.shape[1], need32, need256)
+    prepare(x, np.empty(0, np.float32), 0.0, x, a32, a256)
+    logits = np.empty((1, router_rows), np.float32)
+    linear1(router, a32, a256, x, logits)
+    moe_k.route(_cols(logits, n_experts), ids.shape[1], gating, norm, scale, ids, weights)
+    if down_scale.shape[0] > 0:
+        for j in range(ids.shape[1]):
+            weights[0, j] = weights[0, j] * down_scale[ids[0, j]]
+    return a32, a256
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def moe_experts_one(pool_g, slots_g, pool_u, slots_u, pool_d, slots_d, tiles_gu, tiles_d,
+                    a32, a256, x, weights, gelu, out):
+    """A decode step's k experts from packed expert pools (cpu_moe.ExpertPool): gate and up
+    in one parallel region, act(gate) * up, quantized row by row, down in a second region,
+    and out (1, dim) = the weighted sum in slot order (kernels/moe.py's combine). slots_*:
+    the pool slot of each chosen expert, by rank; tiles_*: tiles per expert matrix."""
+    k = slots_g.shape[0]
+    g = np.empty((k, tiles_gu * 16), np.float32)
+    u = np.empty_like(g)
+    pool_stack_kernel(pool_g, slots_g, pool_u, slots_u, tiles_gu, a32, a256, x, g, u)
+    glu(g, u, g, gelu)
+    r, s = reads(pool_d)
+    b32, b256 = act_buffers(k, g.shape[1], r, s)
+    prepare(g, np.empty(0, np.float32), 0.0, g, b32, b256)
+    y = np.empty((k, tiles_d * 16), np.float32)
+    pool_stack_kernel(pool_d, slots_d, pool_d, _NO_SLOTS, tiles_d, b32, b256, g, y, y)
+    moe_k.combine(y, weights, np.zeros((0, 0), np.float32), np.zeros(0, np.float32), out)

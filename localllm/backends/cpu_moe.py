@@ -18,12 +18,14 @@ from typing import Callable
 import numpy as np
 
 from localllm.formats.quants import row_nbytes
+from localllm.kernels.direct import DirectCall, fingerprint
 from localllm.kernels import mapped as mapped_k
 from localllm.kernels import matmul as mm
 from localllm.kernels import moe as moe_k
 from localllm.kernels import ops
 from localllm.kernels import packing as P
 
+from . import cpu_block
 from .host import expert_biases, route_tokens
 
 _NO_SHARED = np.zeros((0, 0), np.float32)
@@ -167,6 +169,8 @@ class ExpertPools:
         self.budget = budget        # bytes; None: decided at first use from free memory
         self._pools: dict[int, ExpertPool | None] = {}
         self._stacks: dict[int, Experts] = {}
+        # per MoE layer (by id of its weights): what its native decode step takes (_Native)
+        self.native: dict[int, _Native | None] = {}
 
     def register(self, experts: Experts) -> None:
         """A mapped stack of the model being loaded."""
@@ -380,6 +384,72 @@ def _pooled_parts(w, e: int, pools, k: int) -> tuple:
     return part(w.gate), part(w.up), part(w.down)
 
 
+# Off: decode steps take the op-by-op path below (the tests compare the two).
+native_decode = True
+_ROUTE_ONE = DirectCall(cpu_block.moe_route_one)
+_EXPERTS_ONE = DirectCall(cpu_block.moe_experts_one)
+_NO_SCALE = np.zeros(0, np.float32)
+
+
+@dataclass
+class _Native:
+    """A layer whose decode step runs in two native calls: its weights (to tell a reused id
+    apart), its three pools, the router's arguments and the calls' keys (see DirectCall)."""
+    w: object
+    pools: tuple
+    route_args: tuple
+    gelu: bool
+    keys: list
+
+
+def _native(w, spec, pools: ExpertPools | None) -> _Native | None:
+    """How a layer's decode step runs natively, or None where it cannot: biases, a shared
+    expert, gpt-oss's activation, a fused gate-and-up stack, or experts without pools."""
+    if pools is None:
+        return None
+    got = pools.native.get(id(w))
+    if got is not None and got.w is w:
+        return got
+    k = spec.n_used
+    ok = (w.gate_bias is None and w.router_bias is None and w.shared_up is None
+          and w.shared_gate_inp is None and spec.activation in ("silu", "gelu_tanh")
+          and isinstance(w.router, mm.Weight) and w.gate.mapped and w.up.mapped
+          and w.down.mapped and not fused(w.gate, w.up))
+    trio = (pools.pool(w.gate, k), pools.pool(w.up, k), pools.pool(w.down, k)) if ok else ()
+    if not ok or not _pairable(trio[0], trio[1]) or trio[2] is None:
+        pools.native[id(w)] = None
+        return None
+    kinds = {mm.needs(m) for m in (w.router, w.gate.parts[0], w.up.parts[0])}
+    scale = _NO_SCALE if w.down_scale is None else np.ascontiguousarray(w.down_scale,
+                                                                         np.float32)
+    route_args = (w.router.packed, w.router.padded_rows, spec.n_experts, "q32" in kinds,
+                  "q256" in kinds, moe_k.GATING[spec.gating], bool(spec.norm),
+                  float(spec.scale), scale)
+    got = _Native(w, trio, route_args, spec.activation == "gelu_tanh", [None, None])
+    pools.native[id(w)] = got
+    return got
+
+
+def _one_token_native(x: np.ndarray, nat: _Native, k: int) -> np.ndarray:
+    """_one_token's bits in two native calls: the router, then (with the chosen experts'
+    pool slots) the experts and their weighted sum."""
+    ids = np.empty((1, k), np.int32)
+    weights = np.empty((1, k), np.float32)
+    args = (x, *nat.route_args, ids, weights)
+    if nat.keys[0] is None:
+        nat.keys[0] = fingerprint(args)
+    a32, a256 = _ROUTE_ONE(nat.keys[0], *args)
+    pg, pu, pd = nat.pools
+    chosen = ids[0]
+    out = np.empty((1, x.shape[1]), np.float32)
+    args = (pg.packed, pg.slots(chosen), pu.packed, pu.slots(chosen), pd.packed,
+            pd.slots(chosen), pg.n_tiles, pd.n_tiles, a32, a256, x, weights, nat.gelu, out)
+    if nat.keys[1] is None:
+        nat.keys[1] = fingerprint(args)
+    _EXPERTS_ONE(nat.keys[1], *args)
+    return out
+
+
 def moe_ffn(x: np.ndarray, w, spec, pools: ExpertPools | None = None) -> np.ndarray:
     """The backend's ``moe_ffn`` (see backends/base.py) on numpy arrays.
 
@@ -394,6 +464,10 @@ def moe_ffn(x: np.ndarray, w, spec, pools: ExpertPools | None = None) -> np.ndar
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, dim = x.shape
     k = spec.n_used
+    if n == 1 and native_decode:
+        nat = _native(w, spec, pools)
+        if nat is not None:
+            return _one_token_native(x, nat, k)
     gates = [w.router, w.gate.parts[0], w.up.parts[0]]
     if w.shared_up is not None:
         gates += [w.shared_gate, w.shared_up]
