@@ -419,6 +419,8 @@ def gated_attention_back(x, g, w, cfg):
 # ----------------------------------------------------------------------------- experts
 
 _NO_SLOTS = np.zeros(0, np.int64)
+_NO_SHARED = np.zeros((0, 0), np.float32)
+_NO_GATE = np.zeros(0, np.float32)
 
 
 @njit(cache=True, nogil=True)
@@ -458,4 +460,4 @@ def moe_experts_one(pool_g, slots_g, pool_u, slots_u, pool_d, slots_d, tiles_gu,
     prepare(g, np.empty(0, np.float32), 0.0, g, b32, b256)
     y = np.empty((k, tiles_d * 16), np.float32)
     pool_stack_kernel(pool_d, slots_d, pool_d, _NO_SLOTS, tiles_d, b32, b256, g, y, y)
-    moe_k.combine(y, weights, np.zeros((0, 0), np.float32), np.zeros(0, np.float32), out)
+    moe_k.combine(y, weights, _NO_SHARED, _NO_GATE, out)

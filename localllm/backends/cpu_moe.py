@@ -169,8 +169,8 @@ class ExpertPools:
         self.budget = budget        # bytes; None: decided at first use from free memory
         self._pools: dict[int, ExpertPool | None] = {}
         self._stacks: dict[int, Experts] = {}
-        # per MoE layer (by id of its weights): what its native decode step takes (_Native)
-        self.native: dict[int, _Native | None] = {}
+        # per MoE layer (by id of its weights): how its decode step runs (_Native)
+        self.native: dict[int, _Native] = {}
 
     def register(self, experts: Experts) -> None:
         """A mapped stack of the model being loaded."""
@@ -393,23 +393,29 @@ _NO_SCALE = np.zeros(0, np.float32)
 
 @dataclass
 class _Native:
-    """A layer whose decode step runs in two native calls: its weights (to tell a reused id
-    apart), its three pools, the router's arguments and the calls' keys (see DirectCall)."""
+    """How a layer's decode step runs: its weights (to tell a reused id apart), and, when it
+    runs in two native calls, its three pools (None: the general path), the router's
+    arguments and the calls' keys (see DirectCall)."""
     w: object
-    pools: tuple
-    route_args: tuple
-    gelu: bool
-    keys: list
+    pools: tuple | None = None
+    route_args: tuple = ()
+    gelu: bool = False
+    keys: list | None = None
 
 
 def _native(w, spec, pools: ExpertPools | None) -> _Native | None:
-    """How a layer's decode step runs natively, or None where it cannot: biases, a shared
-    expert, gpt-oss's activation, a fused gate-and-up stack, or experts without pools."""
+    """How a layer's decode step runs natively (decided once per layer), or None where it
+    cannot: biases, a shared expert, gpt-oss's activation, a fused gate-and-up stack, or
+    experts without pools."""
     if pools is None:
         return None
     got = pools.native.get(id(w))
-    if got is not None and got.w is w:
-        return got
+    if got is None or got.w is not w:
+        got = pools.native[id(w)] = _decide_native(w, spec, pools)
+    return got if got.pools is not None else None
+
+
+def _decide_native(w, spec, pools: ExpertPools) -> _Native:
     k = spec.n_used
     ok = (w.gate_bias is None and w.router_bias is None and w.shared_up is None
           and w.shared_gate_inp is None and spec.activation in ("silu", "gelu_tanh")
@@ -417,17 +423,14 @@ def _native(w, spec, pools: ExpertPools | None) -> _Native | None:
           and w.down.mapped and not fused(w.gate, w.up))
     trio = (pools.pool(w.gate, k), pools.pool(w.up, k), pools.pool(w.down, k)) if ok else ()
     if not ok or not _pairable(trio[0], trio[1]) or trio[2] is None:
-        pools.native[id(w)] = None
-        return None
+        return _Native(w)
     kinds = {mm.needs(m) for m in (w.router, w.gate.parts[0], w.up.parts[0])}
     scale = _NO_SCALE if w.down_scale is None else np.ascontiguousarray(w.down_scale,
                                                                          np.float32)
     route_args = (w.router.packed, w.router.padded_rows, spec.n_experts, "q32" in kinds,
                   "q256" in kinds, moe_k.GATING[spec.gating], bool(spec.norm),
                   float(spec.scale), scale)
-    got = _Native(w, trio, route_args, spec.activation == "gelu_tanh", [None, None])
-    pools.native[id(w)] = got
-    return got
+    return _Native(w, trio, route_args, spec.activation == "gelu_tanh", [None, None])
 
 
 def _one_token_native(x: np.ndarray, nat: _Native, k: int) -> np.ndarray:

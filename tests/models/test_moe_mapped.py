@@ -163,7 +163,7 @@ def test_pooled_experts_give_the_mapped_bits_and_evict_the_least_recent(model):
         one = cpu_moe.moe_ffn(x[t:t + 1], w, spec, pools)
         assert np.array_equal(one.view(np.uint32), want[t:t + 1].view(np.uint32)), t
     # those steps ran natively: the router, then the pooled experts, in two calls
-    assert pools.native[id(w)] is not None and pools.native[id(w)].w is w
+    assert pools.native[id(w)].pools is not None and pools.native[id(w)].w is w
     before = pools.stats()
     again = cpu_moe.moe_ffn(x[11:12], w, spec, pools)  # the same experts: all held
     assert pools.stats()[1] == before[1] and pools.stats()[0] == before[0] + 3 * k
