@@ -11,7 +11,6 @@ token's result as it would be alone.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -125,36 +124,51 @@ class ExpertPool:
         self.fields = fields
         self.nbytes = sum(a.nbytes for k, a in fields.items() if k != "lut")
         self._release = experts.release
-        self._slot_of: OrderedDict[int, int] = OrderedDict()
+        # by expert: its slot (-1: not held); by slot: its expert (-1: free) and when it was
+        # last used (a clock ticking once per expert asked for: least recently used first out)
+        self._slot_of = np.full(self.rows3.shape[0], -1, np.int64)
+        self._held = np.full(capacity, -1, np.int64)
+        self._used = np.zeros(capacity, np.int64)
+        self._clock = 0
         self._free = list(range(capacity - 1, -1, -1))
         self.hits = 0
         self.misses = 0
 
     def slots(self, ids) -> np.ndarray:
-        """The slots holding experts ``ids`` (at most ``capacity`` distinct), packing those
+        """The slots holding experts ``ids`` (distinct; at most ``capacity``), packing those
         not held in place of the least recently used others."""
-        ids = [int(e) for e in ids]
-        need = set(ids)
-        out = np.empty(len(ids), np.int64)
-        for j, e in enumerate(ids):
-            s = self._slot_of.get(e)
-            if s is not None:
-                self._slot_of.move_to_end(e)
+        ids = np.asarray(ids, np.int64)
+        out = self._slot_of[ids]
+        k = len(ids)
+        if k and out.min() >= 0:  # a decode step's usual case: every one held
+            self._used[out] = np.arange(self._clock, self._clock + k)
+            self._clock += k
+            self.hits += k
+            return out
+        for j in range(k):
+            e = int(ids[j])
+            s = int(self._slot_of[e])
+            if s >= 0:
                 self.hits += 1
             else:
                 if self._free:
                     s = self._free.pop()
                 else:
-                    old = next(o for o in self._slot_of if o not in need)
-                    s = self._slot_of.pop(old)
+                    # the least recently used slot whose expert this call does not ask for
+                    held = np.flatnonzero(~np.isin(self._held, ids))
+                    s = int(held[np.argmin(self._used[held])])
+                    self._slot_of[self._held[s]] = -1
                 P._pack_slab(self.type_name, self.rows3[e], self.K, s * self.n_tiles,
                              self.fields)
                 if self._release is not None:
                     per = self.rows3.shape[1] * self.rows3.shape[2]
                     self._release(e * per, (e + 1) * per)
                 self._slot_of[e] = s
+                self._held[s] = e
                 self.misses += 1
             out[j] = s
+            self._used[s] = self._clock
+            self._clock += 1
         return out
 
 
