@@ -346,8 +346,24 @@ def pack_weight(name: str, raw: np.ndarray, N: int, K: int, done=None):
         _pack_slab(name, slab, K, r0 // ROWS, fields)
         if done is not None:
             done(r0 * row_bytes, min(r1, N) * row_bytes)
+    return _PACKED[name](**_with_lut(name, fields))
+
+
+def _with_lut(name: str, fields: dict) -> dict:
+    """``fields`` with the value table of the formats that read one."""
     if name in ("IQ4_NL", "IQ4_XS"):
         fields["lut"] = _IQ4_LUT
     elif name == "MXFP4":
         fields["lut"] = _MXFP4_LUT
-    return _PACKED[name](**fields)
+    return fields
+
+
+def zero_weight(name: str, N: int, K: int):
+    """A packed weight of zeros (N rows, padded to whole tiles, of K elements): the types of
+    ``pack_weight``'s without running the repacking kernels (to compile the kernels that
+    read packed weights apart from those that write them)."""
+    if name not in _PACKED:
+        raise ValueError(f"weight type {name} is not supported by the CPU kernels")
+    Np = -(-N // ROWS) * ROWS
+    fields = {k: np.zeros_like(a) for k, a in _alloc(name, Np, K).items()}
+    return _PACKED[name](**_with_lut(name, fields))

@@ -2,8 +2,9 @@
 
 Each kernel group is compiled by a worker into Numba's on-disk cache, by calling the backend
 on tiny inputs of the model's weight formats; the process that runs the model then loads
-them. Groups: attention, the per-row operations, one matmul per weight format (these make up
-the op-by-op path), and the fused decoder block of one model file (the path later runs take).
+them. Groups: attention, the per-row operations, the repacking of quantized weights (one
+set of kernels for every format), one matmul per weight format (these make up the op-by-op
+path), and the fused decoder block of one model file (the path later runs take).
 A first run waits only for the op-by-op groups, the slowest of which bounds it, and leaves the
 fused block compiling at low priority for the runs after it.
 """
@@ -27,8 +28,10 @@ from localllm.runtime.process import configure_process
 
 Progress = Callable[[int, int], None]  # (groups done, groups in all)
 
-# Rough single-core compile seconds per group (2-core Zen 5), to deal groups to workers.
-_COST = {"attention": 14.0, "ops": 3.0, "matmul": 2.0, "call": 14.0}
+# Rough single-core compile seconds per group (2-core Zen 5, each alone on an empty cache:
+# attention 13-16 s, the row operations 5-7 s, the repacking kernels 5 s, a format's matmul
+# and activation quantizers 6 s), to deal groups to workers.
+_COST = {"attention": 16.0, "ops": 7.0, "pack": 5.0, "matmul": 6.0, "call": 14.0}
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -58,11 +61,21 @@ def _job_ops(be) -> None:
     be.logsumexp(x[0])
 
 
-def _job_matmul(be, type_name: str) -> None:
+def _job_pack(be) -> None:
+    """The repacking kernels, shared by every quantized format (the type code is an argument)."""
     from localllm.formats import quants
     N, K = 16, 256
-    raw = np.zeros(N * quants.row_nbytes(type_name, K), np.uint8)
-    w = be.upload_matrix(f"warm.{type_name}", type_name, raw, N, K)
+    raw = np.zeros(N * quants.row_nbytes("Q4_K", K), np.uint8)
+    be.upload_matrix("warm.pack", "Q4_K", raw, N, K)
+
+
+def _job_matmul(be, type_name: str) -> None:
+    """One format's matmul (prompt and decode) and the activation quantizers it reads, on a
+    weight of zeros packed without the repacking kernels (the 'pack' group's)."""
+    from localllm.kernels import matmul as mm
+    from localllm.kernels import packing
+    N, K = 16, 256
+    w = mm.Weight(type_name, N, K, packing.zero_weight(type_name, N, K))
     be.linear(np.zeros((2, K), np.float32), [w])
 
 
@@ -72,8 +85,9 @@ def block_job(gguf_path) -> str:
 
 
 def run_job(job: str) -> None:
-    """Run one kernel group: 'attention', 'ops', 'matmul:Q4_K', or 'call:MODULE:FUNCTION',
-    a group a layer above this one names (a function that compiles its own kernels)."""
+    """Run one kernel group: 'attention', 'ops', 'pack', 'matmul:Q4_K', or
+    'call:MODULE:FUNCTION', a group a layer above this one names (a function that compiles
+    its own kernels)."""
     kind, _, arg = job.partition(":")
     if kind == "call":
         module, _, function = arg.partition(":")
@@ -85,6 +99,8 @@ def run_job(job: str) -> None:
         _job_attention(be)
     elif kind == "ops":
         _job_ops(be)
+    elif kind == "pack":
+        _job_pack(be)
     elif kind == "matmul":
         _job_matmul(be, arg)
     else:
@@ -211,8 +227,11 @@ def prepare(gguf_path, progress: Progress | None, block_command: list[str],
     block = block_job(gguf_path)
     # A block whose worker failed is left to the model's own process, as without workers.
     block_ready = _done(block) or _marker(block).with_suffix(".failed").is_file()
-    jobs = [j for j in ["attention", "ops", *[f"matmul:{t}" for t in model_formats(gguf_path)],
-                        *calls] if not _done(j)]
+    from localllm.kernels.packing import FLOAT_FORMATS
+    formats = model_formats(gguf_path)
+    quantized = any(t not in FLOAT_FORMATS for t in formats)
+    jobs = [j for j in ["attention", "ops", *(["pack"] if quantized else []),
+                        *[f"matmul:{t}" for t in formats], *calls] if not _done(j)]
     if jobs:
         n = max(1, min(len(jobs), workers or os.cpu_count() or 1))
         worker = [sys.executable, "-m", "localllm.runtime.warm"]

@@ -15,6 +15,9 @@ def test_groups_dealt_longest_first_to_the_least_loaded():
     assert cpu_warm._deal(jobs, 8) == [[j] for j in ["attention", "ops", "matmul:Q4_1",
                                                      "matmul:Q8_0"]]
     assert cpu_warm._deal(["ops"], 1) == [["ops"]]
+    # the repacking kernels (one set for every format) go beside attention
+    assert cpu_warm._deal(["ops", "pack", *jobs[1:]], 2) == [
+        ["attention", "pack"], ["ops", "matmul:Q4_1", "matmul:Q8_0"]]
 
 
 def test_model_formats(smollm_path, gemma_path):
@@ -45,3 +48,42 @@ def test_worker_failure_is_reported_and_marked(tmp_path):
     assert "failed matmul:NOPE" in r.stderr
     assert r.stdout.splitlines() == ["done matmul:NOPE"]
     assert [p.suffix for p in tmp_path.glob("*/warm/*")] == [".failed"]
+
+
+_REAL_MATMUL = """
+import numpy as np
+from numba.core import event
+from localllm.runtime.process import configure_process
+configure_process(threads=1)
+compiled = []
+class Seen(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Seen())
+from localllm.backends.cpu import CpuBackend
+from localllm.formats import quants
+be = CpuBackend()
+N, K = 48, 512
+raw = np.random.default_rng(0).integers(0, 256, N * quants.row_nbytes("Q4_0", K), np.uint8)
+raw.reshape(N, -1)[:, :2] = 0  # scales of zero: no NaN from random f16 bits
+w = be.upload_matrix("x", "Q4_0", raw, N, K)
+be.linear(np.ones((3, K), np.float32), [w])
+be.linear(np.ones((1, K), np.float32), [w])
+print(sorted(set(compiled)))
+"""
+
+
+def test_pack_and_matmul_groups_cover_a_real_weight(tmp_path):
+    """The matmul group compiles on a weight of zeros packed without the repacking kernels
+    (the pack group builds those): a real weight, repacked and multiplied afterwards, finds
+    every kernel it needs in the cache."""
+    r = _worker(tmp_path, "pack", "matmul:Q4_0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["compiling", "done pack", "done matmul:Q4_0"]
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _REAL_MATMUL], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
