@@ -31,25 +31,6 @@ def _worker(cache, *jobs):
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_worker_fills_the_cache_and_says_so(tmp_path):
-    first = _worker(tmp_path, "ops", "matmul:Q4_0")
-    assert first.returncode == 0, first.stderr
-    assert first.stdout.splitlines() == ["compiling", "done ops", "done matmul:Q4_0"]
-    # A second worker loads both groups from the cache: it never says 'compiling'.
-    again = _worker(tmp_path, "ops", "matmul:Q4_0")
-    assert again.returncode == 0, again.stderr
-    assert again.stdout.splitlines() == ["done ops", "done matmul:Q4_0"]
-    assert len(list(tmp_path.glob("*/warm/*"))) == 2
-
-
-def test_worker_failure_is_reported_and_marked(tmp_path):
-    r = _worker(tmp_path, "matmul:NOPE")
-    assert r.returncode == 1
-    assert "failed matmul:NOPE" in r.stderr
-    assert r.stdout.splitlines() == ["done matmul:NOPE"]
-    assert [p.suffix for p in tmp_path.glob("*/warm/*")] == [".failed"]
-
-
 _REAL_MATMUL = """
 import numpy as np
 from numba.core import event
@@ -75,15 +56,30 @@ print(sorted(set(compiled)))
 """
 
 
-def test_pack_and_matmul_groups_cover_a_real_weight(tmp_path):
-    """The matmul group compiles on a weight of zeros packed without the repacking kernels
-    (the pack group builds those): a real weight, repacked and multiplied afterwards, finds
-    every kernel it needs in the cache."""
-    r = _worker(tmp_path, "pack", "matmul:Q4_0")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["compiling", "done pack", "done matmul:Q4_0"]
+def test_worker_fills_the_cache_and_says_so(tmp_path):
+    """Groups compile into the cache and are marked there; the matmul group compiles on a
+    weight of zeros packed without the repacking kernels (the pack group builds those), so
+    a real weight repacked and multiplied afterwards finds every kernel it needs."""
+    jobs = ("ops", "pack", "matmul:Q4_0")
+    first = _worker(tmp_path, *jobs)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines() == ["compiling", *[f"done {j}" for j in jobs]]
+    # A second worker loads the groups from the cache: it never says 'compiling'.
+    again = _worker(tmp_path, *jobs)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [f"done {j}" for j in jobs]
+    assert len(list(tmp_path.glob("*/warm/*"))) == 3
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", _REAL_MATMUL], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_worker_failure_is_reported_and_marked(tmp_path):
+    r = _worker(tmp_path, "matmul:NOPE")
+    assert r.returncode == 1
+    assert "failed matmul:NOPE" in r.stderr
+    assert r.stdout.splitlines() == ["done matmul:NOPE"]
+    assert [p.suffix for p in tmp_path.glob("*/warm/*")] == [".failed"]
+
