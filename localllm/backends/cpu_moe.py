@@ -25,10 +25,8 @@ from localllm.kernels import ops
 from localllm.kernels import packing as P
 
 from . import cpu_block
+from .cpu_block import _NO_GATE, _NO_SHARED  # no shared expert, no shared gate
 from .host import expert_biases, route_tokens
-
-_NO_SHARED = np.zeros((0, 0), np.float32)
-_NO_GATE = np.zeros(0, np.float32)
 
 
 @dataclass(frozen=True)

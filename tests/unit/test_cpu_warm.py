@@ -82,4 +82,3 @@ def test_worker_failure_is_reported_and_marked(tmp_path):
     assert "failed matmul:NOPE" in r.stderr
     assert r.stdout.splitlines() == ["done matmul:NOPE"]
     assert [p.suffix for p in tmp_path.glob("*/warm/*")] == [".failed"]
-
