@@ -140,14 +140,19 @@ def _qk_row(t, q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, neox, hd):
         add_row(q[t], bq)
         add_row(k[t], bk)
         add_row(v[t], bv)
+    # a norm weight as wide as all heads normalises them at once (OLMoE), else each head
+    if q_norm.size > hd:
+        rms_norm_row(q[t], q_norm, eps, q[t])
     for h in range(q.shape[1] // hd):
         qh = q[t, h * hd:(h + 1) * hd]
-        if q_norm.size > 0:
+        if 0 < q_norm.size <= hd:
             rms_norm_row(qh, q_norm, eps, qh)
         rope_row(qh, cos[t], sin[t], neox)
+    if k_norm.size > hd:
+        rms_norm_row(k[t], k_norm, eps, k[t])
     for h in range(k.shape[1] // hd):
         kh = k[t, h * hd:(h + 1) * hd]
-        if k_norm.size > 0:
+        if 0 < k_norm.size <= hd:
             rms_norm_row(kh, k_norm, eps, kh)
         rope_row(kh, cos[t], sin[t], neox)
 

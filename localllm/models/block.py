@@ -104,9 +104,9 @@ def compose_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions,
 def run_block(be: Backend, x, w: BlockWeights, spec: BlockSpec, positions, kv: KVBatch):
     """The block on the backend's native path when it has one, else composed from ops (the
     native blocks have dense FFNs or experts on the same backend, no output bias or sinks,
-    and rotate queries and keys alike)."""
+    and rotate queries and keys alike; a QK-norm as wide as all heads is OLMoE's)."""
     if (be.fused_blocks and (w.moe is None or w.moe.backend is None)
-            and not spec.qk_norm_whole and spec.q_rope is None and w.bo is None
+            and spec.q_rope is None and w.bo is None
             and w.sinks is None):
         return be.decoder_block(x, w, spec, positions, kv)
     return compose_block(be, x, w, spec, positions, kv)

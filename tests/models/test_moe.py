@@ -110,7 +110,7 @@ def test_logits_bit_identical_token_by_token_and_in_one_chunk(moe_models, name, 
         assert np.array_equal(chunked.view(np.uint32), whole.view(np.uint32)), sizes[:5]
 
 
-@pytest.mark.parametrize("name", ["qwen2moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2moe", "mixtral", "olmoe"])
 def test_native_attention_with_experts_gives_the_composed_bits(moe_files, moe_models, name,
                                                               monkeypatch):
     """An MoE block on the CPU runs its attention sublayer natively (one call) and its
