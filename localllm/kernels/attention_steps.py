@@ -6,8 +6,8 @@ fixed order per output element (see attention.attend for the whole definition).
 import numpy as np
 
 from .jit import njit
-from .kvpages import k_dim, k_scale, v_dims, v_el
-from .simd import vf_add, vf_load, vf_splat, vf_store, vf_sub, vf_zero
+from .kvpages import group_nbytes, k_dim, k_scale, v_dims, v_el
+from .simd import prefetch, vf_add, vf_load, vf_splat, vf_store, vf_sub, vf_zero
 from .vmath import (f32_exp2, f32_fma, vf_bcast, vf_exp2, vf_fma, vf_hmax, vf_hsum, vf_keep,
                     vf_max)
 
@@ -44,6 +44,7 @@ def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
                 bh = ri[rows + r] // 16
                 q0 = qb + r * hd * 4
                 s0 = ri[2 * rows + r]
+                per = group_nbytes(Kp, hd) // hd  # bytes of one dim of a key group
                 for b in range(bl, bh + 1, 4):  # the last group repeats its last block
                     b1 = min(b + 1, bh)
                     b2 = min(b + 2, bh)
@@ -52,6 +53,13 @@ def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
                     g1 = ad[b1 - b0]
                     g2 = ad[b2 - b0]
                     g3 = ad[b3 - b0]
+                    # the key groups two steps ahead, asked for a dim at a time: each block
+                    # is a page of its own, where the hardware prefetcher starts cold (a
+                    # decode step's keys come from memory, not cache)
+                    n0 = ad[min(b + 8, bh) - b0]
+                    n1 = ad[min(b + 9, bh) - b0]
+                    n2 = ad[min(b + 10, bh) - b0]
+                    n3 = ad[min(b + 11, bh) - b0]
                     a0 = vf_zero()
                     a1 = vf_zero()
                     a2 = vf_zero()
@@ -62,6 +70,10 @@ def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
                         sc2 = k_scale(Kp, g2, hd, c)
                         sc3 = k_scale(Kp, g3, hd, c)
                         for d in range(c, min(c + 32, hd)):
+                            prefetch(Kp.a, n0 + d * per)
+                            prefetch(Kp.a, n1 + d * per)
+                            prefetch(Kp.a, n2 + d * per)
+                            prefetch(Kp.a, n3 + d * per)
                             x = vf_bcast(fl, q0 + d * 4)
                             a0 = vf_fma(x, k_dim(Kp, g0, d, sc0), a0)
                             a1 = vf_fma(x, k_dim(Kp, g1, d, sc1), a1)
@@ -306,6 +318,12 @@ def _values(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold)
                         x2 = vf_zero()
                         x3 = vf_zero()
                         for j in range(a, b + 1):
+                            # the same dims of the row two blocks ahead (pages of their own)
+                            jn = min(j + 32, b)
+                            vn = (ad[np.uint64(vb + (jn >> 4))] + (jn & 15) * vrow
+                                  + d * vrow // hd)
+                            prefetch(Vp.a, vn)
+                            prefetch(Vp.a, vn + 64)
                             e = vf_bcast(fl, t + j * 4)
                             vo = ad[np.uint64(vb + (j >> 4))] + (j & 15) * vrow
                             x0 = vf_fma(e, v_dims(Vp, vo, hd, d), x0)
