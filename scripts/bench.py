@@ -468,7 +468,7 @@ def main(argv=None) -> int:
                 ref_runs.append(run_worker(llama_python, "llama", path, ids, args.threads,
                                            args.reps, args.depth, retries=args.retries))
         entry = {"localllm": _median_run(ours_runs), "llama_cpp": _median_run(ref_runs),
-                 "rounds": args.rounds}
+                 "rounds": args.rounds, "per_round": _per_round(ours_runs, ref_runs)}
         if args.oneshot:
             entry["oneshot"] = oneshot(path, args.threads, llama_python, args.reps)
         ours = entry["localllm"]
@@ -493,6 +493,11 @@ def main(argv=None) -> int:
         others = [r.get("others_cores", 0.0) for r in (e["localllm"], e["llama_cpp"]) if r]
         if others:
             print(f"\nother processes used {max(others):.2f} cores (median of rounds) meanwhile")
+        for key, label in (("pp512_tps", "prompt 512"), ("tg_tps", "decode")):
+            pairs = [r[key] for r in e.get("per_round", []) if key in r]
+            if len(pairs) > 1:
+                print(f"\n{label} ratio by round: "
+                      + ", ".join(f"{a / b:.2f}x ({a:.4g} / {b:.4g})" for a, b in pairs))
         if "decode_weight_gbps" in e:
             print(f"\ndecode reads {e['localllm']['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
                   f"per token: {e['decode_weight_gbps']:.1f} GB/s achieved")
@@ -508,6 +513,17 @@ def main(argv=None) -> int:
                          f"(ratio {o['localllm_warm_s'] / o['llama_cpp_s']:.2f}x)")
             print(line)
     return 0
+
+
+def _per_round(ours_runs: list, ref_runs: list) -> list[dict]:
+    """Each round's (ours, llama.cpp) prompt 512 and decode figures: the memory of some
+    machines changes speed from minute to minute, and a round's pair ran minutes apart at
+    most, where medians may pair figures from different rounds."""
+    rounds = []
+    for a, b in zip(ours_runs, ref_runs):
+        rounds.append({k: (a[k], b[k]) for k in ("pp512_tps", "tg_tps")
+                       if a and b and a.get(k) and b.get(k)})
+    return rounds
 
 
 def _cpu_name() -> str:
