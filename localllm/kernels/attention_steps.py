@@ -34,6 +34,7 @@ def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
     fl (rows x hd). Rows go 4 at a time (a group of 3 repeats its last row) against 4 blocks,
     then single blocks; 1-2 leftover rows alone. Dims in order, in runs of 32 that share the
     quantized types' scales."""
+    per = group_nbytes(Kp, hd) // hd  # bytes of one dim of a key group (for prefetches)
     for ra in range(0, rows, 4):
         rb = min(ra + 3, rows - 1)
         if rb - ra < 2:
@@ -44,7 +45,6 @@ def _scores(fl, Kp, ad, b0, ri, rows, hd, qb):
                 bh = ri[rows + r] // 16
                 q0 = qb + r * hd * 4
                 s0 = ri[2 * rows + r]
-                per = group_nbytes(Kp, hd) // hd  # bytes of one dim of a key group
                 for b in range(bl, bh + 1, 4):  # the last group repeats its last block
                     b1 = min(b + 1, bh)
                     b2 = min(b + 2, bh)
@@ -313,6 +313,7 @@ def _values(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold)
                         d1 = min(d + 16, hd16 - 16)
                         d2 = min(d + 32, hd16 - 16)
                         d3 = min(d + 48, hd16 - 16)
+                        dv = d * vrow // hd  # byte offset of dim d in a value row
                         x0 = vf_zero()
                         x1 = vf_zero()
                         x2 = vf_zero()
@@ -320,8 +321,7 @@ def _values(fl, Vp, D, ri, rows, hd, ad, vb, vrow, dstride, ca, cb, cbase, fold)
                         for j in range(a, b + 1):
                             # the same dims of the row two blocks ahead (pages of their own)
                             jn = min(j + 32, b)
-                            vn = (ad[np.uint64(vb + (jn >> 4))] + (jn & 15) * vrow
-                                  + d * vrow // hd)
+                            vn = ad[np.uint64(vb + (jn >> 4))] + (jn & 15) * vrow + dv
                             prefetch(Vp.a, vn)
                             prefetch(Vp.a, vn + 64)
                             e = vf_bcast(fl, t + j * 4)
