@@ -82,3 +82,26 @@ def test_worker_failure_is_reported_and_marked(tmp_path):
     assert "failed matmul:NOPE" in r.stderr
     assert r.stdout.splitlines() == ["done matmul:NOPE"]
     assert [p.suffix for p in tmp_path.glob("*/warm/*")] == [".failed"]
+
+
+def test_compile_profile_times_a_group_on_an_empty_cache():
+    """scripts/compile_profile.py compiles a group in a fresh process on an empty cache (so
+    it compiles even where this session's cache holds the group) and accounts its seconds:
+    each function's own seconds within its inclusive ones, all within the group's."""
+    import json
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "scripts" / "compile_profile.py"
+    out = subprocess.run([sys.executable, str(script), "ops", "--json"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = json.loads(out.stdout)
+    assert r["group"] == "ops"
+    names = {c["name"] for c in r["compiled"]}
+    assert {"localllm.kernels.ops.rms_norm", "localllm.kernels.ops.rope"} <= names
+    assert 0 < r["llvm_seconds"] < r["seconds"]
+    for c in r["compiled"]:
+        assert 0 <= c["exclusive"] <= c["inclusive"] <= r["seconds"]
+    # exclusive seconds partition the compiling: together no more than the group's time
+    assert sum(c["exclusive"] for c in r["compiled"]) <= r["seconds"]
+    top = max(r["compiled"], key=lambda c: c["inclusive"])
+    assert top["inclusive"] >= max(c["exclusive"] for c in r["compiled"])
