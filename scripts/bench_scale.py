@@ -68,7 +68,17 @@ def _f(v, digits=1):
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _rounds_by_depth(report: dict) -> None:
+    """Depth keys as numbers again in a report read back from --json (JSON keys are text)."""
+    for e in report["models"].values():
+        for side in (e["localllm"], e.get("llama")):
+            if side:
+                side["rounds"] = {int(k): v for k, v in side["rounds"].items()}
+
+
 def table(report: dict) -> str:
+    """The ladder as a markdown table, from ``run``'s report or one read back from --json."""
+    _rounds_by_depth(report)
     bw = report["machine"]["read_gbps"]
     head = ("| model | file GB | prompt 512 ours / llama.cpp | after 4k | decode tok/s (GB/s, % of read) "
             "| first load | warm ready | peak RSS MB (anon+file) | extra disk GB |")
