@@ -77,7 +77,8 @@ def _rounds_by_depth(report: dict) -> None:
 
 
 def table(report: dict) -> str:
-    """The ladder as a markdown table, from ``run``'s report or one read back from --json."""
+    """The ladder as a markdown table, from ``run``'s report or one read back from --json
+    (whose depth keys it turns back into numbers, in place)."""
     _rounds_by_depth(report)
     bw = report["machine"]["read_gbps"]
     head = ("| model | file GB | prompt 512 ours / llama.cpp | after 4k | decode tok/s (GB/s, % of read) "
