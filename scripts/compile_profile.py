@@ -89,16 +89,6 @@ def run_child(job: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def groups_of(model: str) -> list[str]:
-    """The groups a first run of this model waits for (as ``warm.prepare`` chooses them)."""
-    from localllm.kernels.packing import FLOAT_FORMATS
-    from localllm.runtime.warm import model_formats
-    formats = model_formats(model)
-    quantized = any(t not in FLOAT_FORMATS for t in formats)
-    return ["attention", "ops", *(["pack"] if quantized else []),
-            *[f"matmul:{t}" for t in formats]]
-
-
 def report(results: list[dict], top: int) -> str:
     lines = []
     for r in results:
@@ -124,7 +114,10 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(profile_group(args.child)))
         return 0
-    groups = args.groups or (groups_of(args.model) if args.model else DEFAULT_GROUPS)
+    if not args.groups and args.model:
+        from localllm.runtime.warm import model_jobs
+        args.groups = model_jobs(args.model)
+    groups = args.groups or DEFAULT_GROUPS
     results = [run_child(g) for g in groups]
     print(json.dumps(results, indent=1) if args.json else report(results, args.top))
     return 0

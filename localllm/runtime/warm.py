@@ -149,6 +149,16 @@ def model_formats(gguf_path) -> list[str]:
         return sorted({t.type_name for t in f.tensors.values() if len(t.shape) == 2})
 
 
+def model_jobs(gguf_path) -> list[str]:
+    """The groups a model's op-by-op forward needs: attention, the row operations, the
+    repacking kernels where a weight is quantized, and one matmul per weight format."""
+    from localllm.kernels.packing import FLOAT_FORMATS
+    formats = model_formats(gguf_path)
+    quantized = any(t not in FLOAT_FORMATS for t in formats)
+    return ["attention", "ops", *(["pack"] if quantized else []),
+            *[f"matmul:{t}" for t in formats]]
+
+
 def _deal(jobs: list[str], workers: int) -> list[list[str]]:
     """Longest first, each to the least loaded worker."""
     loads = [0.0] * workers
@@ -227,11 +237,7 @@ def prepare(gguf_path, progress: Progress | None, block_command: list[str],
     block = block_job(gguf_path)
     # A block whose worker failed is left to the model's own process, as without workers.
     block_ready = _done(block) or _marker(block).with_suffix(".failed").is_file()
-    from localllm.kernels.packing import FLOAT_FORMATS
-    formats = model_formats(gguf_path)
-    quantized = any(t not in FLOAT_FORMATS for t in formats)
-    jobs = [j for j in ["attention", "ops", *(["pack"] if quantized else []),
-                        *[f"matmul:{t}" for t in formats], *calls] if not _done(j)]
+    jobs = [j for j in [*model_jobs(gguf_path), *calls] if not _done(j)]
     if jobs:
         n = max(1, min(len(jobs), workers or os.cpu_count() or 1))
         worker = [sys.executable, "-m", "localllm.runtime.warm"]
