@@ -452,7 +452,7 @@ def main(argv=None) -> int:
         import bench_scale
         return bench_scale.run(args, llama_python)
     import localllm
-    report = {"machine": {"cpu": _cpu_name(), "kernel_path": localllm.configure_process().kernel_path, "threads": args.threads,
+    report = {"machine": {"cpu": _cpu_name(), "kernel_path": localllm.configure_process().isa, "threads": args.threads,
                           "python": platform.python_version(), "os": platform.platform()},
               "models": {}}
     if args.bandwidth:

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                          "(raise NUMBA_NUM_THREADS for more)")
     cfg = localllm.configure_process(threads=args.threads)
 
-    meta = {"cpu": cpu_model(), "llvm_cpu": llvm.get_host_cpu_name(), "isa": cfg.kernel_path,
+    meta = {"cpu": cpu_model(), "llvm_cpu": llvm.get_host_cpu_name(), "isa": cfg.isa,
             "threads": args.threads, "numba": numba.__version__, "cores": os.cpu_count(),
             "prefill_tokens": PREFILL_TOKENS, "cold_mb": args.cold_mb if args.cold else None,
             "load_before": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}

@@ -125,7 +125,7 @@ def run(args, llama_python: str | None) -> int:
         print(f"no GGUF files in {args.scale}: write them with scripts/make_scale_models.py",
               file=sys.stderr)
         return 2
-    report = {"machine": {"cpu": bench._cpu_name(), "kernel_path": localllm.configure_process().kernel_path,
+    report = {"machine": {"cpu": bench._cpu_name(), "kernel_path": localllm.configure_process().isa,
                           "threads": args.threads, "rounds": args.rounds,
                           "read_gbps": bench.machine_read_bandwidth()}, "models": {}}
     for p in files:

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()
     import localllm
-    ISA = localllm.configure_process().kernel_path  # what this host's kernels compile for
+    ISA = localllm.configure_process().isa  # what this host's kernels compile for
     from bench import _cpu_name
     out["machine"] = {"cpu": _cpu_name(), "isa": ISA, "threads": args.threads,
                       "model": args.model, "url": args.url}

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from localllm.testing.gguf_copy import copy_gguf
     from localllm.formats.fetch import resolve_model_path
 
-    ISA = localllm.configure_process().kernel_path
+    ISA = localllm.configure_process().isa
     kw = dict(threads=args.threads, ctx_size=1024)
     report = {"machine": {"cpu": _cpu_name(), "isa": ISA, "threads": args.threads,
                           "tokens": args.tokens, "reps": args.reps}, "results": []}

@@ -118,7 +118,7 @@ def main() -> int:
     import localllm
     from localllm.formats.fetch import resolve_model_path
     results, failed = [], False
-    ISA = localllm.configure_process().kernel_path
+    ISA = localllm.configure_process().isa
     print(f"machine: {machine()}, {args.threads or 'all physical'} CPU threads, CPU backend's "
           f"kernel path {ISA}", flush=True)
     for name in args.models:

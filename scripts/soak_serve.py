@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     finally:
         server.stop()
     import localllm
-    ISA = localllm.configure_process().kernel_path  # what this host's kernels compile for
+    ISA = localllm.configure_process().isa  # what this host's kernels compile for
     from bench import _cpu_name
     done = tally.whole + tally.cut + len(tally.errors)
     print(f"{_cpu_name()}, kernels {ISA}, {args.threads} threads, {args.model}, "

@@ -1,6 +1,5 @@
-"""CPU features the operating system reports but LLVM's host detection misses (on arm64 the
-dot-product instructions, sdot/udot, which LLVM's feature string never lists on Linux or
-macOS), and those the OS must be asked for before use (Intel AMX's tile registers on Linux).
+"""CPU features the operating system reports but LLVM's host detection misses: on arm64 the
+dot-product instructions (sdot/udot), which LLVM's feature string never lists on Linux or macOS.
 """
 
 from __future__ import annotations
@@ -8,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import platform
 
 
@@ -73,36 +71,3 @@ def llvm_host_features() -> str:
         return llvm.get_host_cpu_features().flatten()
     except RuntimeError:  # no feature detection for this host in LLVM
         return ""
-
-
-_SYS_ARCH_PRCTL = 158          # x86-64 Linux
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
-AMX_FEATURES = ("amx-tile", "amx-int8")
-
-
-@functools.cache
-def amx_permission() -> bool:
-    """Ask Linux for this process's AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM),
-    which it must grant before any thread runs a tile instruction; asked once per process.
-
-    Returns:
-        Whether it was granted (False on other systems, or where LOCALLLM_AMX=0 says not to
-        use AMX).
-    """
-    if os.environ.get("LOCALLLM_AMX", "1") == "0":
-        return False
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def without_amx(features: str) -> str:
-    """An LLVM feature string with the AMX features turned off."""
-    amx = {f[1:] for f in features.split(",") if f[1:].startswith("amx-")}
-    kept = [f for f in features.split(",") if f and f[1:] not in amx]
-    return ",".join(kept + [f"-{f}" for f in sorted(amx)])

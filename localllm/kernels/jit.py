@@ -202,9 +202,7 @@ def use_cpu_features(features: str) -> str:
 
 def use_host_features() -> str | None:
     """On arm64, compile for the dot-product extension the OS reports and LLVM's host string
-    omits, unless NUMBA_CPU_FEATURES already says what to build for; where the target has
-    Intel AMX, ask the OS for the tile state, and compile without AMX where it is refused (or
-    LOCALLLM_AMX=0 says so). Idempotent.
+    omits, unless NUMBA_CPU_FEATURES already says what to build for; idempotent.
 
     Returns:
         The feature string the kernels compile for (None: the host's own, as LLVM sees it).
@@ -214,7 +212,4 @@ def use_host_features() -> str | None:
         features = hostcpu.compile_features(hostcpu.llvm_host_features(), True)
         if features is not None:
             use_cpu_features(features)
-    features = numba_config.CPU_FEATURES or hostcpu.llvm_host_features()
-    if "+amx-int8" in features.split(",") and not hostcpu.amx_permission():
-        use_cpu_features(hostcpu.without_amx(features))
     return numba_config.CPU_FEATURES

@@ -24,12 +24,10 @@ from numba.extending import overload
 
 from . import packing as P
 from .actquant import act_buffers, quantize_q8_32, quantize_q8_256
-from .amx import (config_bytes, tile_config, tile_dot, tile_dot_signed, tile_load, tile_release,
-                  tile_store, tile_zero)
 from .jit import njit
-from .simd import (amx, target_features, vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16,
-                   vf_mul, vf_splat, vf_store, vf_sub, vf_zero, vi_add, vi_and, vi_bcast4, vi_load,
-                   vi_load_i8, vi_mul, vi_sll, vi_splat, vi_store, vi_sub, vi_zero)
+from .simd import (target_features, vf_add, vf_from_vi, vf_load, vf_load_bf16, vf_load_f16,
+                   vf_mul, vf_splat, vf_store, vf_sub, vf_zero, vi_add, vi_bcast4, vi_load,
+                   vi_load_i8, vi_mul, vi_sll, vi_store, vi_sub, vi_zero)
 from .unpack import dot, prefetch_chunk, unpack_chunk
 from .vmath import vf_bcast
 
@@ -297,226 +295,16 @@ def _token_superblocks(w, tile, xq, dx, bsum, out, col):
     vf_store(out, col * 64, a)
 
 
-# ----------------------------------------------------------------------------- AMX tiles
-#
-# On Intel AMX a prompt pass takes 16 tokens at a time. Per superblock-tile and sub-block j
-# (32 elements, or 16 in the Q2_K/Q3_K/Q6_K formats), one TDPBSUD multiplies the tokens'
-# int8 activations (a tile of 16 rows, K bytes apart in xq) by the unpacked weight bytes (the
-# eight vectors of a chunk-tile are exactly a tile of 16 rows x 4 elements): the exact int32
-# sums of the VNNI dot products, scaled by the sub-block scales and added in int32 as
-# chunk_part does. A second product, TDPBSSD with tile rows holding each sub-block's min (or
-# scale) in every byte, accumulates over the superblock the weighted activation sums that
-# _weighted_sums_of forms from bsum. Both are exact integers (wrapping alike), so the float
-# terms, and every output, keep the VNNI path's bits. Tiles: 0 and 5 sub-block sums, 1
-# weighted sums, 2 and 6 activations, 3 and 7 weights, 4 min/scale bytes.
-
-AMX_GROUP = 16  # tokens per tile of activations
-
-
-def _amx_sub(w) -> int:
-    """Elements per sub-block of a superblock format."""
-    return 16 if w.instance_class in (P.PackedQ2_K, P.PackedQ3_K, P.PackedQ6_K) else 32
-
-
-_AMX_CFG = {S: config_bytes({0: (16, 64), 1: (16, 64), 2: (16, S), 3: (S // 4, 64),
-                             4: (S // 4, 64), 5: (16, 64), 6: (16, S), 7: (S // 4, 64)})
-            for S in (16, 32)}
-
-
-def amx_layout(w):
-    """(tile configuration, elements per sub-block, the array holding the per-sub-block
-    weights of the activation sums: mins where the format has them, else the scales)."""
-
-
-@overload(amx_layout, inline="always")
-def _ol_amx_layout(w):
-    S = _amx_sub(w)
-    cfg = _AMX_CFG[S]
-    if "mn" in w.instance_class._fields:
-        return lambda w: (cfg, S, w.mn)
-    return lambda w: (cfg, S, w.sc)
-
-
-def amx_term(w, sbi, isum, wsum, dx, do):
-    """super_term_of's float contribution with its weighted activation sums given."""
-
-
-@overload(amx_term, inline="always")
-def _ol_amx_term(w, sbi, isum, wsum, dx, do):
-    cls = w.instance_class
-    if cls in (P.PackedQ2_K, P.PackedQ4_K, P.PackedQ5_K):
-        def term_min(w, sbi, isum, wsum, dx, do):
-            dxv = vf_bcast(dx, do)
-            return vf_sub(vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), dxv), vf_from_vi(isum)),
-                          vf_mul(vf_mul(vf_load_f16(w.dmin, sbi * 32), dxv), vf_from_vi(wsum)))
-        return term_min
-    shift = {P.PackedQ6_K: 5, P.PackedQ3_K: 2, P.PackedIQ4_XS: 7}[cls]
-
-    def term_offset(w, sbi, isum, wsum, dx, do):
-        total = vi_sub(isum, vi_sll(wsum, shift))
-        return vf_mul(vf_mul(vf_load_f16(w.d, sbi * 32), vf_bcast(dx, do)), vf_from_vi(total))
-    return term_offset
-
-
-@njit(inline="always")
-def _amx_scaled(cbuf, sc, iacc, io, first):
-    """iacc rows from byte io (=, or +=) sc * the 16 rows of cbuf, in int32."""
-    if first:
-        for r in range(AMX_GROUP):
-            vi_store(iacc, io + r * 64, vi_mul(vi_load(cbuf, r * 64), sc))
-    else:
-        for r in range(AMX_GROUP):
-            o = io + r * 64
-            vi_store(iacc, o, vi_add(vi_load(iacc, o), vi_mul(vi_load(cbuf, r * 64), sc)))
-
-
-@njit(inline="always")
-def _amx_group(xq, xo, K, bbuf, mbuf, cbuf, S, sc_arr, sco, iacc, io, wsums):
-    """One 16-token group against one superblock-tile: iacc rows from byte io get the
-    scaled sub-block sums, wsums the weighted activation sums (one int32 row a token).
-    Sub-blocks alternate between two sets of tiles, and each one's sums are scaled only
-    after the next one's product is stored, so no load waits on the store before it."""
-    tile_zero(1)
-    nsub = 256 // S
-    for j in range(0, nsub, 2):
-        tile_load(2, xq, xo + j * S, K)
-        tile_load(3, bbuf, j * S * 16, 64)
-        tile_load(4, mbuf, j * S * 16, 64)
-        tile_zero(0)
-        tile_dot(0, 2, 3)
-        tile_dot_signed(1, 2, 4)
-        tile_store(0, cbuf, 0, 64)
-        if j > 0:
-            _amx_scaled(cbuf[AMX_GROUP:], vi_load_i8(sc_arr, sco + 16 * (j - 1)), iacc, io,
-                        False)
-        tile_load(6, xq, xo + (j + 1) * S, K)
-        tile_load(7, bbuf, (j + 1) * S * 16, 64)
-        tile_load(4, mbuf, (j + 1) * S * 16, 64)
-        tile_zero(5)
-        tile_dot(5, 6, 7)
-        tile_dot_signed(1, 6, 4)
-        tile_store(5, cbuf, 1024, 64)
-        _amx_scaled(cbuf[:AMX_GROUP], vi_load_i8(sc_arr, sco + 16 * j), iacc, io, j == 0)
-    _amx_scaled(cbuf[AMX_GROUP:], vi_load_i8(sc_arr, sco + 16 * (nsub - 1)), iacc, io, False)
-    tile_store(1, wsums, 0, 64)
-
-
-@njit(cache=True)
-def _amx_superblocks(w, tile, xq, dx, bsum, out, col):
-    """tile_superblocks for a prompt on AMX tiles: full 16-token groups on the tiles, a pass's
-    last few tokens through the VNNI dot products; the same sums, the same float terms."""
-    n, K = xq.shape
-    nsb = K // 256
-    Np = out.shape[1]
-    step = sub_scale_offset(w)
-    cfg, S, wsum_arr = amx_layout(w)
-    tile_config(cfg)
-    bbuf = np.empty(4096, np.uint8)   # the superblock-tile's 8 chunk-tiles, unpacked
-    mbuf = np.empty(4096, np.uint8)   # its mins (or scales), each repeated across a tile row
-    cbuf = np.empty((2 * AMX_GROUP, 16), np.int32)
-    wsums = np.empty((AMX_GROUP, 16), np.int32)
-    iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
-    acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
-    bytes4 = vi_splat(0x01010101)
-    low = vi_splat(0xFF)
-    for t0 in range(0, n, TOKENS_PER_PASS):
-        t1 = min(n, t0 + TOKENS_PER_PASS)
-        ng = (t1 - t0) // AMX_GROUP
-        for t in range(t1 - t0):
-            vf_store(acc, t * 64, vf_zero())
-        for sb in range(nsb):
-            sbi = tile * nsb + sb
-            for c in range(8):
-                ct = sbi * 8 + c
-                prefetch_chunk(w, ct + PREFETCH_AHEAD)
-                v = _unpack_one(w, ct)
-                vi_store(bbuf, c * 512, v[0])
-                vi_store(bbuf, c * 512 + 64, v[1])
-                vi_store(bbuf, c * 512 + 128, v[2])
-                vi_store(bbuf, c * 512 + 192, v[3])
-                vi_store(bbuf, c * 512 + 256, v[4])
-                vi_store(bbuf, c * 512 + 320, v[5])
-                vi_store(bbuf, c * 512 + 384, v[6])
-                vi_store(bbuf, c * 512 + 448, v[7])
-            sco = sbi * (256 // S) * 16
-            for j in range(256 // S):
-                row = vi_mul(vi_and(vi_load_i8(wsum_arr, sco + 16 * j), low), bytes4)
-                for r in range(S // 4):
-                    vi_store(mbuf, j * S * 16 + r * 64, row)
-            for g in range(ng):
-                tg = t0 + g * AMX_GROUP
-                _amx_group(xq, tg * K + sb * 256, K, bbuf, mbuf, cbuf, S, w.sc, sco, iacc,
-                           g * AMX_GROUP * 64, wsums)
-                for r in range(AMX_GROUP):
-                    t = tg + r
-                    term = amx_term(w, sbi, vi_load(iacc, (t - t0) * 64), vi_load(wsums, r * 64),
-                                    dx, (t * nsb + sb) * 4)
-                    ao = (t - t0) * 64
-                    vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
-            tr = t0 + ng * AMX_GROUP
-            if tr < t1:  # the pass's last tokens: tile_superblocks's own sums
-                for c in range(8):
-                    v = (vi_load(bbuf, c * 512), vi_load(bbuf, c * 512 + 64),
-                         vi_load(bbuf, c * 512 + 128), vi_load(bbuf, c * 512 + 192),
-                         vi_load(bbuf, c * 512 + 256), vi_load(bbuf, c * 512 + 320),
-                         vi_load(bbuf, c * 512 + 384), vi_load(bbuf, c * 512 + 448))
-                    scs = chunk_scales(w, sbi * 8 * step + c * step)
-                    for t in range(tr, t1):
-                        part = chunk_part(w, v, scs, xq, t * K + sb * 256 + c * 32, bsum,
-                                          (t * (K // 16) + sb * 16 + 2 * c) * 4)
-                        io = (t - t0) * 64
-                        if c == 0:
-                            vi_store(iacc, io, part)
-                        else:
-                            vi_store(iacc, io, vi_add(vi_load(iacc, io), part))
-                consts = super_consts(w, sbi)
-                for t in range(tr, t1):
-                    term = super_term_of(w, consts, vi_load(iacc, (t - t0) * 64), dx,
-                                         (t * nsb + sb) * 4, bsum, (t * (K // 16) + sb * 16) * 4)
-                    ao = (t - t0) * 64
-                    vf_store(acc, ao, vf_add(vf_load(acc, ao), term))
-        for t in range(t0, t1):
-            vf_store(out, (t * Np + col * 16) * 4, vf_load(acc, (t - t0) * 64))
-    tile_release()
-
-
-def amx_prompt(w, tile, xq, dx, bsum, out, col):
-    """tile_superblocks's prompt pass on AMX tiles where this target has them and the pass
-    has a full group of tokens; whether it ran (a False constant elsewhere, so no tile code
-    is compiled for other targets)."""
-
-
-@overload(amx_prompt, inline="always")
-def _ol_amx_prompt(w, tile, xq, dx, bsum, out, col):
-    if not amx():
-        return lambda w, tile, xq, dx, bsum, out, col: False
-
-    def on_tiles(w, tile, xq, dx, bsum, out, col):
-        if xq.shape[0] < AMX_GROUP:
-            return False
-        _amx_superblocks(w, tile, xq, dx, bsum, out, col)
-        return True
-    return on_tiles
-
-
 @njit(cache=True)
 def tile_superblocks(w, tile, xq, dx, bsum, out, col):
     """out[:, 16*col : 16*col+16] = x @ W[tile rows].T for a 256-superblock format."""
-    if xq.shape[0] == 1:  # a decode step
-        _token_superblocks(w, tile, xq, dx, bsum, out, col)
-        return
-    if amx_prompt(w, tile, xq, dx, bsum, out, col):
-        return
-    _vnni_superblocks(w, tile, xq, dx, bsum, out, col)
-
-
-@njit(cache=True)
-def _vnni_superblocks(w, tile, xq, dx, bsum, out, col):
-    """tile_superblocks for a prompt through the dot products of the target's own path."""
     n, K = xq.shape
     nsb = K // 256
     Np = out.shape[1]
     step = sub_scale_offset(w)
+    if n == 1:  # a decode step
+        _token_superblocks(w, tile, xq, dx, bsum, out, col)
+        return
     iacc = np.empty((TOKENS_PER_PASS, 16), np.int32)
     acc = np.empty((TOKENS_PER_PASS, 16), np.float32)
     for t0 in range(0, n, TOKENS_PER_PASS):

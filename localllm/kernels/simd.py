@@ -67,15 +67,6 @@ def isa() -> str:
     return select_isa()
 
 
-def amx() -> bool:
-    """Whether prompt matmuls run on Intel AMX tiles: the compile target has AMX-INT8 beside
-    AVX-512 VNNI, and the OS granted this process the tile state (asked here if not yet).
-    The tiles' integer sums are exact, so the results are the VNNI path's bits."""
-    from .hostcpu import AMX_FEATURES, amx_permission
-    return (isa() == "avx512vnni" and set(AMX_FEATURES) <= target_features()
-            and amx_permission())
-
-
 def has_f16c() -> bool:
     """Whether the compile target converts halves in hardware: without F16C, LLVM lowers
     half->float to a runtime call the JIT does not provide."""

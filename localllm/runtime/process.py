@@ -27,12 +27,6 @@ class ProcessConfig:
     cpu_features: str | None   # the features kernels compile for (None: the host's own)
     isa: str                   # the kernels' dot-product path for them (simd.select_isa)
     scratch_kept: bool         # whether the allocator took keep_scratch_memory's settings
-    amx: bool = False          # whether prompt matmuls run on AMX tiles (simd.amx)
-
-    @property
-    def kernel_path(self) -> str:
-        """The path as reports name it: the dot-product path, '+amx' where tiles are used."""
-        return self.isa + ("+amx" if self.amx else "")
 
 
 def configure_process(threads: int | None = None, *,
@@ -57,7 +51,7 @@ def configure_process(threads: int | None = None, *,
     features = jit.use_host_features()
     n = set_threads(threads) if threads else numba.get_num_threads()
     return ProcessConfig(threads=n, kernel_cache=cache, cpu_features=features, isa=simd.isa(),
-                         scratch_kept=keep_scratch_memory(), amx=simd.amx())
+                         scratch_kept=keep_scratch_memory())
 
 
 def _bounded_spin() -> None:
